@@ -1,0 +1,1 @@
+"""The FinetuneJob API (finetune.dev/v1alpha1)."""

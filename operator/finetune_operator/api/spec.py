@@ -1,0 +1,602 @@
+"""`FinetuneJob` spec (finetune.dev/v1alpha1): the single source of truth for the CRD schema,
+`finetune validate`, the renderer and the training runtime.
+
+Every field has a description (it becomes `kubectl explain`). Cross-field rules are written twice on
+purpose: as CEL `x-kubernetes-validations` (enforced by the API server on kubectl apply / Argo CD sync)
+and as pydantic validators (enforced by `finetune validate`, `finetune run` and the operator). The test
+suite checks both against the same table of bad specs.
+"""
+
+from __future__ import annotations
+
+import re
+from enum import Enum
+from typing import Annotated, Any
+
+from pydantic import Field, model_validator
+
+from .base import SpecModel
+
+GROUP = "finetune.dev"
+VERSION = "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
+KIND = "FinetuneJob"
+PLURAL = "finetunejobs"
+SINGULAR = "finetunejob"
+SHORT_NAMES = ["ftj"]
+
+DEFAULT_IMAGE = "public.ecr.aws/deep-learning-containers/ray:train-ml-cuda-v1.0"
+DEFAULT_RAY_VERSION = "2.58.0"
+DEFAULT_INSTANCE_TYPE = "g6.12xlarge"
+
+_QUANTITY = r"^([+]?[0-9.]+)([eEinumkKMGTP]*[-+]?[0-9]*)$"
+_K8S_NAME = r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$"
+_ENV_NAME = r"^[-._a-zA-Z][-._a-zA-Z0-9]*$"
+_SOURCE = r"^(s3://[^/]+(/.*)?|pvc://[a-z0-9]([-a-z0-9.]*[a-z0-9])?(/.*)?|/.*|\./.*|[A-Za-z0-9][-\w.]*(/[-\w.]+)?)$"
+
+Str = Annotated[str, Field(max_length=253)]
+LongStr = Annotated[str, Field(max_length=4096)]
+
+
+def _immutable(what: str) -> dict[str, Any]:
+    return {
+        "x-kubernetes-validations": [
+            {
+                "rule": "self == oldSelf",
+                "message": f"{what} is immutable after creation (create a new FinetuneJob to change it)",
+            }
+        ]
+    }
+
+
+# --------------------------------------------------------------------------------------------------
+# model
+
+
+class DType(str, Enum):
+    auto = "auto"
+    bfloat16 = "bfloat16"
+    float16 = "float16"
+    float32 = "float32"
+
+
+class SecretKeyRef(SpecModel):
+    name: str = Field(
+        description="Name of a Secret in the FinetuneJob's namespace.", max_length=253, pattern=_K8S_NAME
+    )
+    key: str = Field(default="token", description="Key inside the Secret.", max_length=253)
+
+
+class ModelSpec(SpecModel):
+    """The base model to fine-tune."""
+
+    model_config = SpecModel.model_config | {"json_schema_extra": _immutable("spec.model")}
+
+    source: str = Field(
+        description=(
+            "Where the base model comes from: a Hugging Face hub id (`Qwen/Qwen2.5-1.5B`), an S3 URI "
+            "(`s3://bucket/prefix`), a PersistentVolumeClaim path (`pvc://claim/path`, mounted into every "
+            "Ray pod), or an absolute path visible inside the pods (or on this machine for `finetune run`)."
+        ),
+        max_length=1024,
+        pattern=_SOURCE,
+    )
+    revision: str | None = Field(
+        default=None,
+        description="Hub revision (branch, tag or commit) to pin; ignored for S3/PVC/path sources.",
+        max_length=253,
+    )
+    dtype: DType = Field(
+        default=DType.auto,
+        description=(
+            "Dtype the weights are loaded in. `auto` follows spec.training.precision "
+            "(bfloat16 on GPU, float32 on CPU)."
+        ),
+    )
+    trust_remote_code: bool = Field(
+        default=False,
+        description="Allow model repositories to run their own Python code. Off by default: a security risk.",
+    )
+    hub_token_secret_ref: SecretKeyRef | None = Field(
+        default=None,
+        description=(
+            "Secret holding a Hugging Face token for gated/private models. Exposed to the pods as the "
+            "HF_TOKEN environment variable via secretKeyRef; never copied into status, logs or rendered values."
+        ),
+    )
+
+
+# --------------------------------------------------------------------------------------------------
+# dataset
+
+
+class DatasetFormat(str, Enum):
+    text = "text"
+    prompt_completion = "promptCompletion"
+    chat = "chat"
+
+
+class DatasetSpec(SpecModel):
+    """The training data."""
+
+    model_config = SpecModel.model_config | {"json_schema_extra": _immutable("spec.dataset")}
+
+    source: str = Field(
+        description=(
+            "A Hugging Face dataset id, or a `.jsonl`/`.json`/`.parquet` file or directory given as an S3 "
+            "URI, `pvc://claim/path` or absolute path."
+        ),
+        max_length=1024,
+        pattern=_SOURCE,
+    )
+    split: str = Field(default="train", description="Split to read (hub datasets).", max_length=63)
+    format: DatasetFormat = Field(
+        default=DatasetFormat.text,
+        description=(
+            "Record layout: `text` (one text field, all tokens trained), `promptCompletion` (prompt tokens "
+            "masked out of the loss), `chat` (a list of {role, content} messages rendered with the "
+            "tokenizer's chat template; only assistant turns are trained)."
+        ),
+    )
+    text_field: str = Field(default="text", description="Field holding the text (format text).", max_length=63)
+    prompt_field: str = Field(
+        default="prompt", description="Field holding the prompt (format promptCompletion).", max_length=63
+    )
+    completion_field: str = Field(
+        default="completion", description="Field holding the completion (format promptCompletion).", max_length=63
+    )
+    messages_field: str = Field(
+        default="messages", description="Field holding the message list (format chat).", max_length=63
+    )
+    max_samples: int | None = Field(
+        default=None, ge=1, description="Use at most this many records (after shuffling with the seed)."
+    )
+    eval_fraction: float = Field(
+        default=0.05,
+        ge=0.0,
+        lt=0.5,
+        description="Fraction of records held out for evaluation (0 disables evaluation).",
+    )
+
+
+# --------------------------------------------------------------------------------------------------
+# training
+
+
+class Scheduler(str, Enum):
+    cosine = "cosine"
+    linear = "linear"
+    constant = "constant"
+
+
+class Precision(str, Enum):
+    auto = "auto"
+    bf16 = "bf16"
+    fp16 = "fp16"
+    fp32 = "fp32"
+
+
+class ShardingStrategy(str, Enum):
+    full = "full"
+    hybrid = "hybrid"
+    grad_op = "gradOp"
+    none = "none"
+
+
+class FSDPSpec(SpecModel):
+    """PyTorch FSDP2 (`fully_shard`) settings, applied per decoder layer."""
+
+    sharding_strategy: ShardingStrategy = Field(
+        default=ShardingStrategy.hybrid,
+        description=(
+            "`full`: shard parameters, gradients and optimizer state over all ranks. `hybrid`: shard within "
+            "a node, replicate across nodes (HSDP; the right default where cross-node bandwidth is scarce, "
+            "e.g. g6 without GPUDirect RDMA). `gradOp`: keep parameters after forward (ZeRO-2 like). `none`: "
+            "replicate everything (DDP-like)."
+        ),
+    )
+    activation_checkpointing: bool = Field(
+        default=True, description="Recompute decoder-layer activations in backward to save memory."
+    )
+    cpu_offload: bool = Field(default=False, description="Keep sharded parameters and optimizer state in host memory.")
+
+
+class CheckpointSpec(SpecModel):
+    """Sharded checkpoints (torch.distributed.checkpoint) and the final Hugging Face export."""
+
+    interval_steps: int = Field(default=100, ge=1, description="Save a checkpoint every this many optimizer steps.")
+    storage_uri: str | None = Field(
+        default=None,
+        description=(
+            "Shared storage for checkpoints and the exported model: `s3://bucket/prefix`, `pvc://claim/path`, "
+            "or an absolute path every pod can write. Required when more than one worker pod is used. "
+            "`finetune run` defaults to ./.work/<job name>."
+        ),
+        max_length=1024,
+        pattern=r"^(s3://[^/]+(/.*)?|pvc://[a-z0-9]([-a-z0-9.]*[a-z0-9])?(/.*)?|/.*|\./.*)$",
+    )
+    keep: int = Field(default=2, ge=1, le=100, description="How many recent checkpoints to keep.")
+
+
+class Resume(str, Enum):
+    auto = "auto"
+    never = "never"
+
+
+class TrainingSpec(SpecModel):
+    """Optimization hyper-parameters and distributed-training settings."""
+
+    model_config = SpecModel.model_config | {
+        "json_schema_extra": {
+            "x-kubernetes-validations": [
+                {
+                    "rule": "self.globalBatchSize % self.microBatchSize == 0",
+                    "message": "globalBatchSize must be a multiple of microBatchSize",
+                    "fieldPath": ".globalBatchSize",
+                },
+                {
+                    "rule": "self == oldSelf",
+                    "message": "spec.training is immutable after creation (create a new FinetuneJob to change it)",
+                },
+            ]
+        }
+    }
+
+    epochs: int = Field(default=1, ge=1, le=1000, description="Passes over the training split (ignored if maxSteps is set).")
+    max_steps: int | None = Field(default=None, ge=1, description="Stop after this many optimizer steps.")
+    learning_rate: float = Field(default=2e-5, gt=0.0, le=1.0, description="Peak AdamW learning rate.")
+    scheduler: Scheduler = Field(default=Scheduler.cosine, description="Learning-rate decay after warmup.")
+    warmup_ratio: float = Field(
+        default=0.03, ge=0.0, lt=1.0, description="Fraction of total steps spent in linear warmup."
+    )
+    weight_decay: float = Field(default=0.0, ge=0.0, le=1.0, description="AdamW weight decay.")
+    global_batch_size: int = Field(
+        default=32,
+        ge=1,
+        description=(
+            "Sequences per optimizer step over all data-parallel ranks. Must be a multiple of "
+            "microBatchSize x data-parallel ranks; the quotient is the gradient-accumulation count."
+        ),
+    )
+    micro_batch_size: int = Field(default=1, ge=1, description="Sequences per rank per forward/backward pass.")
+    sequence_length: int = Field(default=2048, ge=16, le=131072, description="Tokens per training sequence.")
+    packing: bool = Field(
+        default=True, description="Concatenate examples and cut them into full sequences (no padding waste)."
+    )
+    max_grad_norm: float = Field(default=1.0, ge=0.0, description="Gradient clipping by global norm (0 disables).")
+    seed: int = Field(default=42, ge=0, description="Seed for data shuffling, eval split and initialisation.")
+    precision: Precision = Field(
+        default=Precision.auto,
+        description="Compute precision. `auto`: bf16 mixed precision on GPU, fp32 on CPU.",
+    )
+    eval_interval_steps: int = Field(
+        default=100, ge=1, description="Evaluate on the held-out split every this many steps (and at the end)."
+    )
+    fsdp: FSDPSpec = Field(default_factory=FSDPSpec, description="FSDP sharding and memory settings.")
+    checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec, description="Checkpointing and export.")
+    resume: Resume = Field(
+        default=Resume.auto,
+        description="`auto`: continue from the latest checkpoint in storage if one exists; `never`: start at step 0.",
+    )
+
+    @model_validator(mode="after")
+    def _batch(self) -> TrainingSpec:
+        if self.global_batch_size % self.micro_batch_size:
+            raise ValueError(
+                f"globalBatchSize ({self.global_batch_size}) must be a multiple of "
+                f"microBatchSize ({self.micro_batch_size})"
+            )
+        return self
+
+
+# --------------------------------------------------------------------------------------------------
+# cluster
+
+
+class WorkersSpec(SpecModel):
+    """The GPU worker group: one Ray worker pod per node."""
+
+    replicas: int = Field(default=2, ge=1, le=512, description="Worker pods (= nodes, one pod per node).")
+    gpus_per_worker: int = Field(
+        default=4,
+        ge=0,
+        le=16,
+        description=(
+            "GPUs each worker pod requests; one Ray Train worker (rank) per GPU. 0 runs one CPU rank per pod "
+            "(smoke tests). Must not exceed the instance type's GPUs."
+        ),
+    )
+    cpu: str | None = Field(
+        default=None,
+        description="CPU request/limit per worker pod. Default: five sixths of the instance's vCPUs.",
+        max_length=32,
+        pattern=_QUANTITY,
+    )
+    memory: str | None = Field(
+        default=None,
+        description="Memory request/limit per worker pod. Default: five sixths of the instance's memory.",
+        max_length=32,
+        pattern=_QUANTITY,
+    )
+    shm_size: str | None = Field(
+        default=None,
+        description="Size of the memory-backed /dev/shm volume. Default: a quarter of the worker memory, at most 64Gi.",
+        max_length=32,
+        pattern=_QUANTITY,
+    )
+    hugepages2_mi: str = Field(
+        default="5120Mi",
+        alias="hugepages2Mi",
+        description="hugepages-2Mi requested per worker pod when EFA is on (libfabric registers memory in them).",
+        max_length=32,
+        pattern=_QUANTITY,
+    )
+
+
+class HeadSpec(SpecModel):
+    """The Ray head pod (GCS, dashboard, job driver). It gets no GPUs."""
+
+    cpu: str = Field(default="4", description="CPU request/limit of the head pod.", max_length=32, pattern=_QUANTITY)
+    memory: str = Field(
+        default="16Gi", description="Memory request/limit of the head pod.", max_length=32, pattern=_QUANTITY
+    )
+    node_selector: dict[str, Str] = Field(
+        default_factory=dict,
+        description="nodeSelector for the head pod (by default it lands on any untainted node).",
+        max_length=32,
+    )
+
+
+class EnvVar(SpecModel):
+    name: str = Field(description="Environment variable name.", max_length=253, pattern=_ENV_NAME)
+    value: str = Field(default="", description="Literal value.", max_length=32768)
+
+
+class EnvFromSource(SpecModel):
+    config_map_ref: str | None = Field(
+        default=None, description="Name of a ConfigMap whose keys become environment variables.", max_length=253
+    )
+    secret_ref: str | None = Field(
+        default=None, description="Name of a Secret whose keys become environment variables.", max_length=253
+    )
+    prefix: str | None = Field(default=None, description="Prefix added to every key.", max_length=253)
+
+    model_config = SpecModel.model_config | {
+        "json_schema_extra": {
+            "x-kubernetes-validations": [
+                {
+                    "rule": "has(self.configMapRef) != has(self.secretRef)",
+                    "message": "set exactly one of configMapRef or secretRef",
+                }
+            ]
+        }
+    }
+
+    @model_validator(mode="after")
+    def _one(self) -> EnvFromSource:
+        if (self.config_map_ref is None) == (self.secret_ref is None):
+            raise ValueError("set exactly one of configMapRef or secretRef")
+        return self
+
+
+_OBJ = {"type": "object", "x-kubernetes-preserve-unknown-fields": True}
+
+
+class ClusterSpec(SpecModel):
+    """The Ray cluster the job runs on (rendered into the RayJob's rayClusterSpec)."""
+
+    model_config = SpecModel.model_config | {"json_schema_extra": _immutable("spec.cluster")}
+
+    image: str = Field(
+        default=DEFAULT_IMAGE,
+        description="Container image for head and workers. Default: the AWS Ray Train DLC, used as published.",
+        max_length=512,
+    )
+    ray_version: str = Field(
+        default=DEFAULT_RAY_VERSION, description="Ray version inside the image.", max_length=32, pattern=r"^\d+\.\d+\.\d+$"
+    )
+    instance_type: str = Field(
+        default=DEFAULT_INSTANCE_TYPE,
+        description=(
+            "EC2 instance type of the worker node group (matched with node.kubernetes.io/instance-type). "
+            "Known: g6.12xlarge, g6.48xlarge, g5.48xlarge, p4d.24xlarge, p5.48xlarge, m5.2xlarge, m5.4xlarge, "
+            "m7i.4xlarge."
+        ),
+        max_length=63,
+    )
+    workers: WorkersSpec = Field(default_factory=WorkersSpec, description="Worker pods and their resources.")
+    efa_interfaces_per_worker: int | None = Field(
+        default=None,
+        ge=0,
+        le=32,
+        description="EFA interfaces requested per worker pod. Default: all of the instance's interfaces.",
+    )
+    head: HeadSpec = Field(default_factory=HeadSpec, description="The Ray head pod.")
+    node_selector: dict[str, Str] = Field(
+        default_factory=dict, description="Extra nodeSelector terms for the worker pods.", max_length=32
+    )
+    tolerations: list[dict[str, Any]] = Field(
+        default_factory=list,
+        description="Extra tolerations for all Ray pods (GPU and EFA taints are tolerated already).",
+        max_length=32,
+        json_schema_extra={"items": _OBJ},
+    )
+    affinity: dict[str, Any] | None = Field(
+        default=None, description="Affinity for the worker pods (core/v1 Affinity).", json_schema_extra=_OBJ
+    )
+    priority_class_name: str | None = Field(default=None, description="PriorityClass for all Ray pods.", max_length=253)
+    service_account_name: str | None = Field(
+        default=None, description="ServiceAccount the Ray pods run as (e.g. one with an IRSA role for S3).", max_length=253
+    )
+    env: list[EnvVar] = Field(
+        default_factory=list, description="Extra environment variables for all Ray containers.", max_length=128
+    )
+    env_from: list[EnvFromSource] = Field(
+        default_factory=list,
+        description="ConfigMaps/Secrets whose keys become environment variables (e.g. the seed's env file).",
+        max_length=16,
+    )
+    pip: list[Str] = Field(
+        default_factory=list,
+        description="Extra pip requirements installed through the Ray runtime environment (none by default).",
+        max_length=64,
+    )
+
+
+# --------------------------------------------------------------------------------------------------
+# network
+
+
+class NCCLDebug(str, Enum):
+    off = "OFF"
+    version = "VERSION"
+    warn = "WARN"
+    info = "INFO"
+    trace = "TRACE"
+
+
+class NetworkSpec(SpecModel):
+    """Inter-node collectives: EFA through the aws-ofi-nccl plugin, or plain TCP sockets."""
+
+    model_config = SpecModel.model_config | {"json_schema_extra": _immutable("spec.network")}
+
+    efa: bool = Field(
+        default=True,
+        description="Request EFA interfaces and hugepages, and configure libfabric/NCCL for EFA (FI_PROVIDER=efa).",
+    )
+    nccl_debug: NCCLDebug = Field(
+        default=NCCLDebug.info,
+        description="NCCL_DEBUG level. INFO is needed for the transport probe to see which network NCCL chose.",
+    )
+    require_efa: bool = Field(
+        default=False,
+        alias="requireEFA",
+        description=(
+            "Fail the job at start if NCCL does not select the EFA provider (instead of silently falling back "
+            "to TCP sockets). Needs efa: true."
+        ),
+    )
+
+    @model_validator(mode="after")
+    def _require(self) -> NetworkSpec:
+        if self.require_efa and not self.efa:
+            raise ValueError("requireEFA needs efa: true")
+        return self
+
+
+# --------------------------------------------------------------------------------------------------
+# the whole spec
+
+
+def _dp_ranks_cel() -> str:
+    w = "self.cluster.workers"
+    return f"({w}.gpusPerWorker > 0 ? {w}.replicas * {w}.gpusPerWorker : {w}.replicas)"
+
+
+class FinetuneJobSpec(SpecModel):
+    """Desired state of a fine-tuning run."""
+
+    model_config = SpecModel.model_config | {
+        "json_schema_extra": {
+            "x-kubernetes-validations": [
+                {
+                    "rule": (
+                        "self.training.globalBatchSize % (self.training.microBatchSize * "
+                        f"{_dp_ranks_cel()}) == 0"
+                    ),
+                    "message": (
+                        "training.globalBatchSize must be a multiple of training.microBatchSize x data-parallel "
+                        "ranks (cluster.workers.replicas x cluster.workers.gpusPerWorker)"
+                    ),
+                    "fieldPath": ".training.globalBatchSize",
+                },
+                {
+                    "rule": "self.cluster.workers.replicas <= 1 || has(self.training.checkpoint.storageUri)",
+                    "message": (
+                        "training.checkpoint.storageUri is required when cluster.workers.replicas > 1 "
+                        "(Ray Train needs shared storage for multi-node checkpoints)"
+                    ),
+                    "fieldPath": ".training.checkpoint",
+                },
+                {
+                    "rule": "!self.network.requireEFA || self.network.efa",
+                    "message": "network.requireEFA needs network.efa: true",
+                    "fieldPath": ".network.requireEFA",
+                },
+            ]
+        }
+    }
+
+    model: ModelSpec = Field(description="The base model.")
+    dataset: DatasetSpec = Field(description="The training data.")
+    training: TrainingSpec = Field(default_factory=TrainingSpec, description="Hyper-parameters, FSDP, checkpoints.")
+    cluster: ClusterSpec = Field(default_factory=ClusterSpec, description="The Ray cluster on KubeRay.")
+    network: NetworkSpec = Field(default_factory=NetworkSpec, description="EFA/NCCL settings.")
+    suspend: bool = Field(
+        default=False,
+        description="Suspend the job: the Ray cluster is deleted, and recreated from the last checkpoint on resume.",
+    )
+    active_deadline_seconds: int | None = Field(
+        default=None, ge=1, description="Fail the job if it runs longer than this (per attempt)."
+    )
+    backoff_limit: int = Field(
+        default=0, ge=0, le=100, description="Retries of the whole job (each on a fresh Ray cluster, resuming)."
+    )
+    ttl_seconds_after_finished: int | None = Field(
+        default=None,
+        ge=0,
+        description="Delete the Ray cluster this long after the job finishes (default: deleted right away).",
+    )
+
+    @property
+    def data_parallel_ranks(self) -> int:
+        w = self.cluster.workers
+        return w.replicas * w.gpus_per_worker if w.gpus_per_worker > 0 else w.replicas
+
+    @property
+    def gradient_accumulation_steps(self) -> int:
+        return self.training.global_batch_size // (self.training.micro_batch_size * self.data_parallel_ranks)
+
+    @model_validator(mode="after")
+    def _cross_field(self) -> FinetuneJobSpec:
+        per_step = self.training.micro_batch_size * self.data_parallel_ranks
+        if self.training.global_batch_size % per_step:
+            raise ValueError(
+                f"training.globalBatchSize ({self.training.global_batch_size}) must be a multiple of "
+                f"training.microBatchSize x data-parallel ranks ({self.training.micro_batch_size} x "
+                f"{self.data_parallel_ranks} = {per_step})"
+            )
+        return self
+
+
+class ObjectMeta(SpecModel):
+    model_config = SpecModel.model_config | {"extra": "allow"}
+
+    name: str = Field(description="Name of the FinetuneJob.", max_length=53, pattern=_K8S_NAME)
+    namespace: str | None = Field(default=None, description="Namespace.", max_length=63)
+    labels: dict[str, str] = Field(default_factory=dict, description="Labels.")
+    annotations: dict[str, str] = Field(default_factory=dict, description="Annotations.")
+    uid: str | None = Field(default=None, description="Server-assigned UID.")
+    generation: int | None = Field(default=None, description="Server-assigned generation.")
+
+
+class FinetuneJob(SpecModel):
+    """A whole FinetuneJob document as read from YAML or the API server (status is not parsed here)."""
+
+    model_config = SpecModel.model_config | {"extra": "ignore"}
+
+    api_version: str = Field(default=API_VERSION, description="finetune.dev/v1alpha1")
+    kind: str = Field(default=KIND, description="FinetuneJob")
+    metadata: ObjectMeta = Field(description="Object metadata.")
+    spec: FinetuneJobSpec = Field(description="Desired state.")
+
+    @model_validator(mode="after")
+    def _kind(self) -> FinetuneJob:
+        if self.api_version != API_VERSION:
+            raise ValueError(f"apiVersion must be {API_VERSION}, got {self.api_version!r}")
+        if self.kind != KIND:
+            raise ValueError(f"kind must be {KIND}, got {self.kind!r}")
+        return self
+
+
+NAME_RE = re.compile(_K8S_NAME)

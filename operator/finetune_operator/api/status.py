@@ -1,0 +1,96 @@
+"""`FinetuneJob` status, and the progress message training processes send to the operator.
+
+The status schema is declared in the CRD in full (a structural schema prunes undeclared fields), even
+though the operator fills it over time. The progress message is the one documented wire format between
+the training runtime and the operator's progress endpoint (`POST /v1/progress/{namespace}/{name}`).
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+
+from pydantic import Field
+
+from .base import StatusModel
+
+
+class Phase(str, Enum):
+    pending = "Pending"
+    provisioning = "Provisioning"
+    running = "Running"
+    suspended = "Suspended"
+    succeeded = "Succeeded"
+    failed = "Failed"
+
+
+class Condition(StatusModel):
+    type: str = Field(description="Condition type, PascalCase (e.g. Ready, CapacityAvailable, NetworkHealthy).")
+    status: str = Field(description="True, False or Unknown.", pattern=r"^(True|False|Unknown)$")
+    reason: str = Field(default="", description="Machine-readable CamelCase reason.")
+    message: str = Field(default="", description="Human-readable explanation a user can act on.")
+    last_transition_time: str | None = Field(
+        default=None, description="When status last changed (RFC 3339)."
+    )
+    observed_generation: int | None = Field(
+        default=None, description="metadata.generation the condition was computed from."
+    )
+
+
+class TrainingProgress(StatusModel):
+    step: int | None = Field(default=None, description="Optimizer steps completed.")
+    total_steps: int | None = Field(default=None, description="Optimizer steps planned.")
+    epoch: float | None = Field(default=None, description="Fractional epoch.")
+    loss: float | None = Field(default=None, description="Training loss (mean over the last logging window).")
+    eval_loss: float | None = Field(default=None, description="Loss on the held-out split at the last evaluation.")
+    learning_rate: float | None = Field(default=None, description="Current learning rate.")
+    grad_norm: float | None = Field(default=None, description="Global gradient norm before clipping.")
+    tokens_per_second: float | None = Field(default=None, description="Training throughput over all ranks.")
+    mfu: float | None = Field(default=None, description="Model FLOPs utilisation (0..1) against the GPUs' bf16 peak.")
+    peak_memory_gib: float | None = Field(default=None, description="Peak accelerator (or host) memory per rank.")
+    eta_seconds: float | None = Field(default=None, description="Estimated seconds to the last step.")
+    last_report_time: str | None = Field(default=None, description="When the training processes last reported.")
+    last_checkpoint: str | None = Field(default=None, description="URI of the newest checkpoint.")
+    last_checkpoint_step: int | None = Field(default=None, description="Step of the newest checkpoint.")
+
+
+class NetworkHealth(StatusModel):
+    transport: str | None = Field(
+        default=None, description="What carries inter-node collectives: efa, socket, gloo, nvlink-only, unknown."
+    )
+    provider: str | None = Field(default=None, description="libfabric provider NCCL selected (efa, tcp, ...).")
+    plugin_version: str | None = Field(default=None, description="aws-ofi-nccl plugin version, if loaded.")
+    nccl_version: str | None = Field(default=None, description="NCCL version.")
+    efa_devices: int | None = Field(default=None, description="EFA devices visible in the worker pod.")
+    bus_bandwidth_g_bps: float | None = Field(
+        default=None, alias="busBandwidthGBps", description="All-reduce bus bandwidth from the start-up probe (GB/s)."
+    )
+    healthy: bool | None = Field(default=None, description="False when EFA was expected but not used, or errors were seen.")
+    message: str | None = Field(default=None, description="What the probe saw, in words.")
+
+
+class FinetuneJobStatus(StatusModel):
+    phase: Phase | None = Field(default=None, description="Pending, Provisioning, Running, Suspended, Succeeded or Failed.")
+    conditions: list[Condition] = Field(default_factory=list, description="Kubernetes-style conditions.")
+    observed_generation: int | None = Field(default=None, description="Last metadata.generation acted on.")
+    ray_job_name: str | None = Field(default=None, description="Name of the child RayJob.")
+    ray_cluster_name: str | None = Field(default=None, description="Name of the RayCluster KubeRay created for the job.")
+    config_map_name: str | None = Field(default=None, description="Name of the ConfigMap with the resolved job config.")
+    job_id: str | None = Field(default=None, description="Ray job submission id.")
+    dashboard_url: str | None = Field(default=None, alias="dashboardURL", description="Ray dashboard address.")
+    start_time: str | None = Field(default=None, description="When the job started running.")
+    completion_time: str | None = Field(default=None, description="When the job finished.")
+    attempt: int | None = Field(default=None, description="Attempt number (1 + retries so far).")
+    message: str | None = Field(default=None, description="Short human summary of the current state.")
+    training: TrainingProgress | None = Field(default=None, description="Training progress reported by the job.")
+    network: NetworkHealth | None = Field(default=None, description="Network health reported by the job.")
+
+
+class ProgressReport(StatusModel):
+    """What a training process POSTs to the operator. All fields optional: send what changed."""
+
+    attempt: int | None = Field(default=None, description="Attempt the sender belongs to.")
+    rank: int = Field(default=0, description="Sending rank (the operator only acts on rank 0's reports).")
+    training: TrainingProgress | None = Field(default=None, description="Training progress.")
+    network: NetworkHealth | None = Field(default=None, description="Network probe outcome.")
+    phase: str | None = Field(default=None, description="Runtime phase: Starting, Training, Exporting, Done, Failed.")
+    message: str | None = Field(default=None, description="Free text (e.g. a fail-fast reason).", max_length=2048)
