@@ -82,8 +82,11 @@ def generate(comp: Component) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("components", nargs="*", choices=[*COMPONENTS, []], default=list(COMPONENTS))
+    parser.add_argument("components", nargs="*", help=f"subset of {sorted(COMPONENTS)} (default: all)")
     args = parser.parse_args(argv)
+    unknown = set(args.components) - set(COMPONENTS)
+    if unknown:
+        parser.error(f"unknown components {sorted(unknown)}; known: {sorted(COMPONENTS)}")
     for name in args.components or COMPONENTS:
         generate(COMPONENTS[name])
     return 0
