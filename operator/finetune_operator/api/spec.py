@@ -31,6 +31,7 @@ DEFAULT_INSTANCE_TYPE = "g6.12xlarge"
 
 _QUANTITY = r"^([+]?[0-9.]+)([eEinumkKMGTP]*[-+]?[0-9]*)$"
 _K8S_NAME = r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$"
+_DNS1035 = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
 _ENV_NAME = r"^[-._a-zA-Z][-._a-zA-Z0-9]*$"
 _SOURCE = r"^(s3://[^/]+(/.*)?|pvc://[a-z0-9]([-a-z0-9.]*[a-z0-9])?(/.*)?|/.*|\./.*|[A-Za-z0-9][-\w.]*(/[-\w.]+)?)$"
 
@@ -283,8 +284,8 @@ class TrainingSpec(SpecModel):
     def _batch(self) -> TrainingSpec:
         if self.global_batch_size % self.micro_batch_size:
             raise ValueError(
-                f"globalBatchSize ({self.global_batch_size}) must be a multiple of "
-                f"microBatchSize ({self.micro_batch_size})"
+                f"globalBatchSize: must be a multiple of microBatchSize "
+                f"(got {self.global_batch_size} and {self.micro_batch_size})"
             )
         return self
 
@@ -375,7 +376,7 @@ class EnvFromSource(SpecModel):
     @model_validator(mode="after")
     def _one(self) -> EnvFromSource:
         if (self.config_map_ref is None) == (self.secret_ref is None):
-            raise ValueError("set exactly one of configMapRef or secretRef")
+            raise ValueError("configMapRef: set exactly one of configMapRef or secretRef")
         return self
 
 
@@ -480,7 +481,7 @@ class NetworkSpec(SpecModel):
     @model_validator(mode="after")
     def _require(self) -> NetworkSpec:
         if self.require_efa and not self.efa:
-            raise ValueError("requireEFA needs efa: true")
+            raise ValueError("requireEFA: needs efa: true (EFA cannot be required when it is off)")
         return self
 
 
@@ -562,9 +563,14 @@ class FinetuneJobSpec(SpecModel):
         per_step = self.training.micro_batch_size * self.data_parallel_ranks
         if self.training.global_batch_size % per_step:
             raise ValueError(
-                f"training.globalBatchSize ({self.training.global_batch_size}) must be a multiple of "
-                f"training.microBatchSize x data-parallel ranks ({self.training.micro_batch_size} x "
-                f"{self.data_parallel_ranks} = {per_step})"
+                f"training.globalBatchSize: must be a multiple of training.microBatchSize x data-parallel "
+                f"ranks ({self.training.micro_batch_size} x {self.data_parallel_ranks} = {per_step}), "
+                f"got {self.training.global_batch_size}"
+            )
+        if self.cluster.workers.replicas > 1 and not self.training.checkpoint.storage_uri:
+            raise ValueError(
+                "training.checkpoint.storageUri: required when cluster.workers.replicas > 1 "
+                "(Ray Train needs shared storage for multi-node checkpoints)"
             )
         return self
 
@@ -572,7 +578,11 @@ class FinetuneJobSpec(SpecModel):
 class ObjectMeta(SpecModel):
     model_config = SpecModel.model_config | {"extra": "allow"}
 
-    name: str = Field(description="Name of the FinetuneJob.", max_length=53, pattern=_K8S_NAME)
+    name: str = Field(
+        description="Name of the FinetuneJob (DNS-1035 label, at most 47 characters: KubeRay's RayJob name limit).",
+        max_length=47,
+        pattern=_DNS1035,
+    )
     namespace: str | None = Field(default=None, description="Namespace.", max_length=63)
     labels: dict[str, str] = Field(default_factory=dict, description="Labels.")
     annotations: dict[str, str] = Field(default_factory=dict, description="Annotations.")
@@ -593,9 +603,9 @@ class FinetuneJob(SpecModel):
     @model_validator(mode="after")
     def _kind(self) -> FinetuneJob:
         if self.api_version != API_VERSION:
-            raise ValueError(f"apiVersion must be {API_VERSION}, got {self.api_version!r}")
+            raise ValueError(f"apiVersion: must be {API_VERSION}, got {self.api_version!r}")
         if self.kind != KIND:
-            raise ValueError(f"kind must be {KIND}, got {self.kind!r}")
+            raise ValueError(f"kind: must be {KIND}, got {self.kind!r}")
         return self
 
 

@@ -24,6 +24,8 @@ class Phase(str, Enum):
 
 
 class Condition(StatusModel):
+    """A Kubernetes API convention condition."""
+
     type: str = Field(description="Condition type, PascalCase (e.g. Ready, CapacityAvailable, NetworkHealthy).")
     status: str = Field(description="True, False or Unknown.", pattern=r"^(True|False|Unknown)$")
     reason: str = Field(default="", description="Machine-readable CamelCase reason.")
@@ -37,6 +39,8 @@ class Condition(StatusModel):
 
 
 class TrainingProgress(StatusModel):
+    """Progress as reported by rank 0 of the training processes."""
+
     step: int | None = Field(default=None, description="Optimizer steps completed.")
     total_steps: int | None = Field(default=None, description="Optimizer steps planned.")
     epoch: float | None = Field(default=None, description="Fractional epoch.")
@@ -54,6 +58,8 @@ class TrainingProgress(StatusModel):
 
 
 class NetworkHealth(StatusModel):
+    """Outcome of the NCCL/EFA probe the training runtime runs at start."""
+
     transport: str | None = Field(
         default=None, description="What carries inter-node collectives: efa, socket, gloo, nvlink-only, unknown."
     )
@@ -69,6 +75,8 @@ class NetworkHealth(StatusModel):
 
 
 class FinetuneJobStatus(StatusModel):
+    """Observed state, written by the operator: phase, conditions, children, progress, network health."""
+
     phase: Phase | None = Field(default=None, description="Pending, Provisioning, Running, Suspended, Succeeded or Failed.")
     conditions: list[Condition] = Field(default_factory=list, description="Kubernetes-style conditions.")
     observed_generation: int | None = Field(default=None, description="Last metadata.generation acted on.")
@@ -80,6 +88,9 @@ class FinetuneJobStatus(StatusModel):
     start_time: str | None = Field(default=None, description="When the job started running.")
     completion_time: str | None = Field(default=None, description="When the job finished.")
     attempt: int | None = Field(default=None, description="Attempt number (1 + retries so far).")
+    step: str | None = Field(
+        default=None, description="Training step as `n/total` (for the Step printer column)."
+    )
     message: str | None = Field(default=None, description="Short human summary of the current state.")
     training: TrainingProgress | None = Field(default=None, description="Training progress reported by the job.")
     network: NetworkHealth | None = Field(default=None, description="Network health reported by the job.")

@@ -1,0 +1,546 @@
+"""A real Kubernetes control plane as local processes: etcd, kube-apiserver, kube-controller-manager,
+kube-scheduler, the KubeRay operator, and kwok playing kubelet for simulated EKS GPU/EFA nodes.
+
+Everything listens on 127.0.0.1 (free ports picked at start), talks TLS with generated certificates,
+and runs in its own process group with its log in ``<workdir>/logs/``. ``<workdir>/state.json`` records
+the processes, so ``down()``/``status()`` work from another process (the CLI). Each ``up()`` starts a
+fresh cluster (etcd data is wiped); ``down()`` stops every process and is safe to repeat.
+
+    cluster = DevCluster("/tmp/dev", nodes=2)
+    cluster.up()
+    print(cluster.kubeconfig)          # admin (system:masters) kubeconfig
+    cluster.add_gpu_node()             # one more g6.12xlarge
+    cluster.down()
+"""
+
+from __future__ import annotations
+
+import base64
+import ctypes
+import json
+import os
+import shutil
+import signal
+import socket
+import ssl
+import subprocess
+import threading
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from . import build, nodes, pki
+from .versions import KUBERNETES_VERSION
+
+SERVICE_CIDR = "10.96.0.0/16"
+SERVICE_IP = "10.96.0.1"  # first address of SERVICE_CIDR: the `kubernetes` Service
+POD_CIDR = "10.244.0.1/16"
+GPU_NODEGROUP = "gpu-efa"
+CPU_NODEGROUP = "cpu"
+FIELD_MANAGER = "finetune-dev-cluster"
+# Start order; stopped in reverse.
+COMPONENTS = ["etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kwok", "ray-operator"]
+
+Log = Callable[[str], None]
+
+
+class DevClusterError(RuntimeError):
+    """A component failed to start or become ready; the message names it and quotes its log."""
+
+
+def default_workdir() -> Path:
+    env = os.environ.get("FINETUNE_DEVCLUSTER_DIR")
+    if env:
+        return Path(env)
+    return build.cache_dir() / "dev-cluster"
+
+
+def default_crd_dirs() -> list[Path]:
+    """The repository's ``crds/`` when running from a checkout (or ``$FINETUNE_CRDS_DIR``)."""
+    env = os.environ.get("FINETUNE_CRDS_DIR")
+    if env:
+        return [Path(p) for p in env.split(os.pathsep) if p]
+    for parent in Path(__file__).resolve().parents:
+        if (parent / "pyproject.toml").is_file() and (parent / "crds").is_dir():
+            return [parent / "crds"]
+    return []
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _proc_start_time(pid: int) -> int | None:
+    """Kernel start time of a process (guards against killing a recycled pid), None if gone/zombie."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat[stat.rindex(")") + 2 :].split()
+    if fields[0] in ("Z", "X"):
+        return None
+    return int(fields[19])
+
+
+def _set_pdeathsig() -> None:
+    """Child side: get SIGTERM when the parent dies (so a killed test run leaves no processes)."""
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def _tail(path: Path, lines: int = 30) -> str:
+    try:
+        return "".join(path.read_text(errors="replace").splitlines(keepends=True)[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+class _Api:
+    """Just enough REST for bootstrapping (CRDs, nodes, readiness); tests use the kubernetes client."""
+
+    def __init__(self, server: str, keys: pki.Pki) -> None:
+        self.server = server
+        self.ctx = ssl.create_default_context(cafile=str(keys.ca_crt))
+        self.ctx.load_cert_chain(str(keys.admin_crt), str(keys.admin_key))
+
+    def request(self, method: str, path: str, body: Any = None, content_type: str = "application/json",
+                timeout: float = 30) -> Any:
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(self.server + path, data=data, method=method)
+        req.add_header("Accept", "application/json")
+        if data is not None:
+            req.add_header("Content-Type", content_type)
+        with urllib.request.urlopen(req, context=self.ctx, timeout=timeout) as resp:
+            raw = resp.read()
+        try:
+            return json.loads(raw)
+        except ValueError:
+            return raw.decode()
+
+    def get(self, path: str) -> Any:
+        return self.request("GET", path)
+
+
+class DevCluster:
+    """A local control plane with simulated nodes.
+
+    ``nodes`` GPU nodes of ``instance_type`` (node group ``gpu-efa``, named ``gpu-node-0``...) plus one
+    ``cpu_instance_type`` node (``cpu-node-0``) for the Ray head. ``crd_dirs``: every ``*.yaml`` in them
+    is installed (default: the checkout's ``crds/``), as are KubeRay's CRDs from its module.
+    ``die_with_parent``: components get SIGTERM if this process dies (for test sessions; the CLI leaves
+    the cluster running after it exits).
+    """
+
+    def __init__(
+        self,
+        workdir: str | Path | None = None,
+        nodes: int = 2,
+        instance_type: str = "g6.12xlarge",
+        cpu_instance_type: str = "m5.2xlarge",
+        crd_dirs: list[Path] | None = None,
+        die_with_parent: bool = False,
+        log: Log = print,
+    ) -> None:
+        self.workdir = Path(workdir) if workdir is not None else default_workdir()
+        self.gpu_nodes = nodes
+        self.instance_type = instance_type
+        self.cpu_instance_type = cpu_instance_type
+        self.crd_dirs = default_crd_dirs() if crd_dirs is None else list(crd_dirs)
+        self.die_with_parent = die_with_parent
+        self.log = log
+        self._popen: dict[str, subprocess.Popen[bytes]] = {}
+        self._lock = threading.Lock()
+
+    # ---- paths -------------------------------------------------------------------------------------
+    @property
+    def kubeconfig(self) -> Path:
+        return self.workdir / "kubeconfig"
+
+    @property
+    def logs_dir(self) -> Path:
+        return self.workdir / "logs"
+
+    @property
+    def state_file(self) -> Path:
+        return self.workdir / "state.json"
+
+    @property
+    def pki(self) -> pki.Pki:
+        return pki.Pki(self.workdir / "pki")
+
+    def _state(self) -> dict[str, Any]:
+        try:
+            return dict(json.loads(self.state_file.read_text()))
+        except (OSError, ValueError):
+            return {}
+
+    def _save_state(self, state: dict[str, Any]) -> None:
+        tmp = self.state_file.with_suffix(".tmp")
+        tmp.write_text(json.dumps(state, indent=2))
+        tmp.replace(self.state_file)
+
+    def _api(self) -> _Api:
+        server = self._state().get("server")
+        if not server:
+            raise DevClusterError(f"no dev cluster state in {self.workdir}; run up() first")
+        return _Api(server, self.pki)
+
+    # ---- lifecycle ---------------------------------------------------------------------------------
+    def is_running(self) -> bool:
+        procs = self._state().get("processes", {})
+        return bool(procs) and all(self._alive(p) for p in procs.values())
+
+    def up(self, timeout: float = 180) -> None:
+        """Build missing binaries, start every component, wait until nodes are Ready."""
+        if self.is_running():
+            self.log(f"[dev-cluster] already running ({self.workdir}); kubeconfig {self.kubeconfig}")
+            return
+        self.down(quiet=True)  # leftovers of a crashed run
+        bins = build.ensure_built(log=self.log)
+        start = time.monotonic()
+        deadline = start + timeout
+        try:
+            self._start(bins, deadline)
+        except BaseException:
+            self.log(f"[dev-cluster] start failed; logs in {self.logs_dir}")
+            self.down(quiet=True)
+            raise
+        self.log(f"[dev-cluster] up in {time.monotonic() - start:.1f}s; kubeconfig {self.kubeconfig}")
+
+    def _start(self, bins: dict[str, Path], deadline: float) -> None:
+        for sub in ("etcd", "pki", "certs"):
+            shutil.rmtree(self.workdir / sub, ignore_errors=True)
+        shutil.rmtree(self.logs_dir, ignore_errors=True)
+        self.logs_dir.mkdir(parents=True)
+        keys = pki.generate(self.workdir / "pki", SERVICE_IP)
+        ports = {n: _free_port() for n in ("etcd", "etcd-peer", "apiserver", "kcm", "scheduler", "ray-probe")}
+        server = f"https://127.0.0.1:{ports['apiserver']}"
+        self._save_state({"server": server, "ports": ports, "processes": {}, "phase": "starting",
+                          "kubeconfig": str(self.kubeconfig)})
+        self._write_kubeconfig(server, keys)
+        kc = str(self.kubeconfig)
+        etcd_url = f"http://127.0.0.1:{ports['etcd']}"
+        peer_url = f"http://127.0.0.1:{ports['etcd-peer']}"
+
+        self._spawn("etcd", [
+            str(bins["etcd"]), "--name=default", f"--data-dir={self.workdir / 'etcd'}",
+            f"--listen-client-urls={etcd_url}", f"--advertise-client-urls={etcd_url}",
+            f"--listen-peer-urls={peer_url}", f"--initial-advertise-peer-urls={peer_url}",
+            f"--initial-cluster=default={peer_url}", "--unsafe-no-fsync", "--log-level=warn",
+        ])
+        self._wait("etcd healthy", lambda: self._http_json(f"{etcd_url}/health").get("health") == "true",
+                   deadline)
+
+        self._spawn("kube-apiserver", [
+            str(bins["kube-apiserver"]),
+            f"--etcd-servers={etcd_url}",
+            "--bind-address=127.0.0.1", "--advertise-address=127.0.0.1",
+            f"--secure-port={ports['apiserver']}",
+            f"--cert-dir={self.workdir / 'certs'}",
+            f"--tls-cert-file={keys.serving_crt}", f"--tls-private-key-file={keys.serving_key}",
+            f"--client-ca-file={keys.ca_crt}",
+            "--authorization-mode=RBAC",
+            f"--service-account-issuer={server}",
+            f"--service-account-key-file={keys.sa_pub}",
+            f"--service-account-signing-key-file={keys.sa_key}",
+            f"--service-cluster-ip-range={SERVICE_CIDR}",
+            "--allow-privileged=true",
+            "--enable-priority-and-fairness=false",
+            "--profiling=false",
+        ])
+        api = _Api(server, keys)
+        self._wait("kube-apiserver ready", lambda: api.get("/readyz") == "ok", deadline)
+
+        common = [f"--kubeconfig={kc}", f"--authentication-kubeconfig={kc}",
+                  f"--authorization-kubeconfig={kc}", "--leader-elect=false", "--bind-address=127.0.0.1",
+                  "--profiling=false"]
+        self._spawn("kube-controller-manager", [
+            str(bins["kube-controller-manager"]), *common,
+            f"--secure-port={ports['kcm']}", f"--cert-dir={self.workdir / 'certs' / 'kcm'}",
+            f"--service-account-private-key-file={keys.sa_key}",
+            f"--root-ca-file={keys.ca_crt}",
+            f"--cluster-signing-cert-file={keys.ca_crt}", f"--cluster-signing-key-file={keys.ca_key}",
+            f"--service-cluster-ip-range={SERVICE_CIDR}",
+            "--cluster-name=finetune-dev",
+            "--controllers=*",
+        ])
+        self._spawn("kube-scheduler", [
+            str(bins["kube-scheduler"]), *common,
+            f"--secure-port={ports['scheduler']}", f"--cert-dir={self.workdir / 'certs' / 'scheduler'}",
+        ])
+        self._spawn("kwok", [
+            str(bins["kwok"]), f"--kubeconfig={kc}",
+            *[f"--config={p}" for p in build.kwok_stages()],
+            f"--manage-nodes-with-annotation-selector={nodes.KWOK_ANNOTATION}=fake",
+            "--node-lease-duration-seconds=40",
+            f"--cidr={POD_CIDR}",
+        ])
+
+        self._install_crds(api, deadline)
+        self._spawn("ray-operator", [
+            str(bins["ray-operator"]), f"--kubeconfig={kc}", "--enable-leader-election=false",
+            "--metrics-addr=0", f"--health-probe-bind-address=127.0.0.1:{ports['ray-probe']}",
+            "--log-stdout-encoder=console",
+        ])
+
+        for i in range(self.gpu_nodes):
+            self._create_node(api, f"gpu-node-{i}", self.instance_type, GPU_NODEGROUP)
+        self._create_node(api, "cpu-node-0", self.cpu_instance_type, CPU_NODEGROUP)
+
+        self._wait("nodes Ready", lambda: self._nodes_ready(api), deadline)
+        self._wait("kube-scheduler healthy",
+                   lambda: self._https_ok(f"https://127.0.0.1:{ports['scheduler']}/healthz"), deadline)
+        self._wait("kube-controller-manager healthy",
+                   lambda: self._https_ok(f"https://127.0.0.1:{ports['kcm']}/healthz"), deadline)
+        # The service-account controller (in the controller manager) creates "default" in every
+        # namespace; pods cannot be admitted before it exists.
+        self._wait("default ServiceAccount",
+                   lambda: bool(api.get("/api/v1/namespaces/default/serviceaccounts/default")), deadline)
+        self._wait("ray-operator ready",
+                   lambda: self._http_text(f"http://127.0.0.1:{ports['ray-probe']}/readyz") == "ok", deadline)
+        state = self._state()
+        state["phase"] = "ready"
+        self._save_state(state)
+
+    def down(self, quiet: bool = False) -> None:
+        """Stop every component (SIGTERM, then SIGKILL after 10s); idempotent. Logs are kept."""
+        state = self._state()
+        procs: dict[str, dict[str, Any]] = state.get("processes", {})
+        stopped = []
+        for name in reversed(COMPONENTS):
+            p = procs.get(name)
+            if p and self._alive(p):
+                self._signal(p, signal.SIGTERM)
+                stopped.append(name)
+        deadline = time.monotonic() + 10
+        for name in stopped:
+            p = procs[name]
+            while self._alive(p) and time.monotonic() < deadline:
+                self._reap(name)
+                time.sleep(0.05)
+            if self._alive(p):
+                self._signal(p, signal.SIGKILL)
+        for name in list(self._popen):
+            self._reap(name, block=True)
+        if state:
+            state["processes"] = {}
+            state["phase"] = "down"
+            self._save_state(state)
+        if stopped and not quiet:
+            self.log(f"[dev-cluster] stopped {', '.join(stopped)}; logs kept in {self.logs_dir}")
+
+    def __enter__(self) -> DevCluster:
+        self.up()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.down()
+
+    def status(self) -> dict[str, Any]:
+        """Processes (pid, alive, log), apiserver health and nodes; works from any process."""
+        state = self._state()
+        procs = state.get("processes", {})
+        out: dict[str, Any] = {
+            "workdir": str(self.workdir),
+            "kubeconfig": str(self.kubeconfig),
+            "phase": state.get("phase", "absent"),
+            "server": state.get("server"),
+            "components": {
+                name: {"pid": p["pid"], "alive": self._alive(p), "log": str(self.logs_dir / f"{name}.log")}
+                for name, p in procs.items()
+            },
+        }
+        if procs and all(c["alive"] for c in out["components"].values()):
+            try:
+                api = self._api()
+                out["apiserver"] = api.get("/readyz")
+                out["nodes"] = [
+                    {"name": n["metadata"]["name"], "ready": self._node_ready(n),
+                     "instanceType": n["metadata"]["labels"].get("node.kubernetes.io/instance-type")}
+                    for n in api.get("/api/v1/nodes")["items"]
+                ]
+            except (OSError, urllib.error.URLError, DevClusterError) as e:
+                out["apiserver"] = f"error: {e}"
+        return out
+
+    # ---- nodes -------------------------------------------------------------------------------------
+    def add_gpu_node(self, name: str | None = None, instance_type: str | None = None,
+                     wait_ready: float = 60) -> str:
+        """Add one more simulated GPU/EFA node (default: the cluster's GPU instance type); returns its name
+        once kwok reports it Ready."""
+        api = self._api()
+        existing = {n["metadata"]["name"] for n in api.get("/api/v1/nodes")["items"]}
+        if name is None:
+            name = next(f"gpu-node-{i}" for i in range(len(existing) + 1) if f"gpu-node-{i}" not in existing)
+        self._create_node(api, name, instance_type or self.instance_type, GPU_NODEGROUP, index=len(existing))
+        deadline = time.monotonic() + wait_ready
+        self._wait(f"node {name} Ready",
+                   lambda: self._node_ready(api.get(f"/api/v1/nodes/{name}")), deadline)
+        return name
+
+    def delete_node(self, name: str) -> None:
+        self._api().request("DELETE", f"/api/v1/nodes/{name}")
+
+    def _create_node(self, api: _Api, name: str, instance_type: str, nodegroup: str,
+                     index: int | None = None) -> None:
+        if index is None:
+            index = len(api.get("/api/v1/nodes")["items"])
+        manifest = nodes.node_manifest(name, instance_type, nodegroup, index, KUBERNETES_VERSION)
+        api.request("POST", "/api/v1/nodes", manifest)
+        # Status is kept on create, but set it again through the subresource so it holds whatever the
+        # create strategy does in future versions.
+        api.request("PATCH", f"/api/v1/nodes/{name}/status", {"status": manifest["status"]},
+                    content_type="application/merge-patch+json")
+
+    @staticmethod
+    def _node_ready(node: dict[str, Any]) -> bool:
+        return any(c["type"] == "Ready" and c["status"] == "True"
+                   for c in node.get("status", {}).get("conditions") or [])
+
+    def _nodes_ready(self, api: _Api) -> bool:
+        items = api.get("/api/v1/nodes")["items"]
+        return len(items) == self.gpu_nodes + 1 and all(self._node_ready(n) for n in items)
+
+    # ---- CRDs --------------------------------------------------------------------------------------
+    def crd_files(self) -> list[Path]:
+        files = [f for d in self.crd_dirs for f in sorted(Path(d).glob("*.yaml")) + sorted(Path(d).glob("*.yml"))]
+        return files + build.kuberay_crds()
+
+    def _install_crds(self, api: _Api, deadline: float) -> None:
+        docs = []
+        for f in self.crd_files():
+            for doc in yaml.safe_load_all(f.read_text()):
+                if doc and doc.get("kind") == "CustomResourceDefinition":
+                    docs.append(doc)
+        base = "/apis/apiextensions.k8s.io/v1/customresourcedefinitions"
+
+        def create(doc: dict[str, Any]) -> None:
+            # Plain create (the cluster is fresh): no last-applied annotation, so KubeRay's ~1 MB CRDs
+            # fit; server-side apply only when one already exists.
+            try:
+                api.request("POST", base, doc, timeout=120)
+            except urllib.error.HTTPError as e:
+                if e.code != 409:
+                    raise DevClusterError(f"creating CRD {doc['metadata']['name']}: {e.read().decode()}") from e
+                q = urllib.parse.urlencode({"fieldManager": FIELD_MANAGER, "force": "true"})
+                api.request("PATCH", f"{base}/{doc['metadata']['name']}?{q}", doc,
+                            content_type="application/apply-patch+yaml", timeout=120)
+
+        with ThreadPoolExecutor(max_workers=4) as pool:
+            list(pool.map(create, docs))
+
+        def established() -> bool:
+            for doc in docs:
+                crd = api.get(f"{base}/{doc['metadata']['name']}")
+                conds = crd.get("status", {}).get("conditions") or []
+                if not any(c["type"] == "Established" and c["status"] == "True" for c in conds):
+                    return False
+            return True
+
+        self._wait(f"{len(docs)} CRDs established", established, deadline)
+
+    # ---- processes ---------------------------------------------------------------------------------
+    def _spawn(self, name: str, args: list[str]) -> None:
+        env = dict(os.environ)
+        env["KUBECONFIG"] = str(self.kubeconfig)
+        with open(self.logs_dir / f"{name}.log", "ab") as logf:
+            logf.write(f"$ {' '.join(args)}\n".encode())
+            logf.flush()
+            p = subprocess.Popen(
+                args, stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT, cwd=self.workdir,
+                env=env, start_new_session=True,
+                preexec_fn=_set_pdeathsig if self.die_with_parent else None,
+            )
+        self._popen[name] = p
+        with self._lock:
+            state = self._state()
+            state.setdefault("processes", {})[name] = {"pid": p.pid, "start": _proc_start_time(p.pid)}
+            self._save_state(state)
+
+    @staticmethod
+    def _alive(p: dict[str, Any]) -> bool:
+        start = _proc_start_time(int(p["pid"]))
+        return start is not None and (p.get("start") is None or start == p["start"])
+
+    def _signal(self, p: dict[str, Any], sig: int) -> None:
+        try:
+            os.killpg(int(p["pid"]), sig)  # its own session: the group id is its pid
+        except ProcessLookupError:
+            pass
+
+    def _reap(self, name: str, block: bool = False) -> None:
+        popen = self._popen.get(name)
+        if popen is None:
+            return
+        try:
+            popen.wait(timeout=5 if block else 0.001)
+            del self._popen[name]
+        except subprocess.TimeoutExpired:
+            pass
+
+    def _check_alive(self) -> None:
+        for name, p in self._state().get("processes", {}).items():
+            self._reap(name)
+            if not self._alive(p):
+                log = self.logs_dir / f"{name}.log"
+                raise DevClusterError(f"{name} exited; last lines of {log}:\n{_tail(log)}")
+
+    def _wait(self, what: str, check: Callable[[], bool], deadline: float) -> None:
+        last: Exception | None = None
+        while True:
+            self._check_alive()
+            try:
+                if check():
+                    return
+                last = None
+            except (OSError, urllib.error.URLError, ValueError, KeyError) as e:
+                last = e
+            if time.monotonic() > deadline:
+                raise DevClusterError(f"timed out waiting for {what} (last error: {last}); logs in {self.logs_dir}")
+            time.sleep(0.2)
+
+    # ---- small HTTP helpers ------------------------------------------------------------------------
+    @staticmethod
+    def _http_text(url: str) -> str:
+        with urllib.request.urlopen(url, timeout=5) as r:
+            return str(r.read().decode())
+
+    def _http_json(self, url: str) -> dict[str, Any]:
+        return dict(json.loads(self._http_text(url)))
+
+    @staticmethod
+    def _https_ok(url: str) -> bool:
+        # The components' serving certificates are self-signed; this only checks they answer "ok".
+        ctx = ssl.create_default_context()
+        ctx.check_hostname = False
+        ctx.verify_mode = ssl.CERT_NONE
+        with urllib.request.urlopen(url, context=ctx, timeout=5) as r:
+            return bool(r.read().decode() == "ok")
+
+    def _write_kubeconfig(self, server: str, keys: pki.Pki) -> None:
+        def b64(p: Path) -> str:
+            return base64.b64encode(p.read_bytes()).decode()
+
+        cfg = {
+            "apiVersion": "v1",
+            "kind": "Config",
+            "clusters": [{"name": "finetune-dev",
+                          "cluster": {"server": server, "certificate-authority-data": b64(keys.ca_crt)}}],
+            "users": [{"name": "finetune-dev-admin",
+                       "user": {"client-certificate-data": b64(keys.admin_crt),
+                                "client-key-data": b64(keys.admin_key)}}],
+            "contexts": [{"name": "finetune-dev",
+                          "context": {"cluster": "finetune-dev", "user": "finetune-dev-admin"}}],
+            "current-context": "finetune-dev",
+        }
+        self.kubeconfig.write_text(yaml.safe_dump(cfg, sort_keys=False))
+        self.kubeconfig.chmod(0o600)

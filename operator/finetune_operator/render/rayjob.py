@@ -1,0 +1,351 @@
+"""FinetuneJob -> child objects (config ConfigMap, runtime ConfigMap, KubeRay RayJob). Pure.
+
+No clock, no randomness, no API calls: the same inputs give byte-identical output, so GitOps diffs and
+the golden files stay quiet. The training code reaches the cluster without building an image: its
+Python source travels in the `<job>-runtime` ConfigMap, mounted at RUNTIME_MOUNT in every Ray pod and
+put on PYTHONPATH; the resolved FinetuneJob travels in `<job>-config`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import yaml
+
+from .. import instance_types as it
+from ..api import spec as s
+from ..api.quantity import fmt_gi
+from ..api.storage import PVC_MOUNT_ROOT, parse_pvc
+from ..api.validation import SpecError, fit_issues, worker_resources
+from .config import (
+    CONFIG_KEY,
+    CONFIG_MOUNT,
+    RUNTIME_MOUNT,
+    TOKEN_EXPIRATION_SECONDS,
+    TOKEN_FILE,
+    TOKEN_MOUNT,
+    WORKER_GROUP,
+    RenderConfig,
+    progress_audience,
+)
+
+Obj = dict[str, Any]
+
+GPU = "nvidia.com/gpu"
+EFA = "vpc.amazonaws.com/efa"
+HUGEPAGES = "hugepages-2Mi"
+INSTANCE_LABEL = "node.kubernetes.io/instance-type"
+JOB_LABEL = "finetune.dev/job"
+ENTRYPOINT = f"python3 -m finetune_training --config {CONFIG_MOUNT}/{CONFIG_KEY}"
+
+
+def child_names(name: str) -> dict[str, str]:
+    """Fixed child names (recorded in status before anything is created)."""
+    return {"rayJob": name, "configMap": f"{name}-config", "runtimeConfigMap": f"{name}-runtime"}
+
+
+def labels(job: s.FinetuneJob, component: str) -> dict[str, str]:
+    return {
+        "app.kubernetes.io/name": "finetunejob",
+        "app.kubernetes.io/instance": job.metadata.name,
+        "app.kubernetes.io/component": component,
+        "app.kubernetes.io/managed-by": "finetune-operator",
+        "app.kubernetes.io/part-of": "finetune-operator",
+        JOB_LABEL: job.metadata.name,
+    }
+
+
+def _meta(job: s.FinetuneJob, name: str, component: str) -> Obj:
+    meta: Obj = {"name": name, "labels": labels(job, component)}
+    if job.metadata.namespace:
+        meta["namespace"] = job.metadata.namespace
+    if job.metadata.uid:
+        meta["ownerReferences"] = [
+            {
+                "apiVersion": s.API_VERSION,
+                "kind": s.KIND,
+                "name": job.metadata.name,
+                "uid": job.metadata.uid,
+                "controller": True,
+                "blockOwnerDeletion": True,
+            }
+        ]
+    return meta
+
+
+def job_document(job: s.FinetuneJob) -> str:
+    """The resolved job (defaults filled in) that the training entrypoint reads."""
+    meta: Obj = {"name": job.metadata.name}
+    if job.metadata.namespace:
+        meta["namespace"] = job.metadata.namespace
+    doc = {"apiVersion": s.API_VERSION, "kind": s.KIND, "metadata": meta, "spec": job.spec.wire()}
+    return yaml.safe_dump(doc, sort_keys=True, width=120)
+
+
+def render_config_map(job: s.FinetuneJob) -> Obj:
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": _meta(job, child_names(job.metadata.name)["configMap"], "config"),
+        "data": {CONFIG_KEY: job_document(job)},
+    }
+
+
+def runtime_key(path: str) -> str:
+    """ConfigMap keys cannot hold '/': finetune_training/data.py -> finetune_training__data.py."""
+    return path.replace("/", "__")
+
+
+def render_runtime_config_map(job: s.FinetuneJob, runtime_files: Mapping[str, str]) -> Obj:
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": _meta(job, child_names(job.metadata.name)["runtimeConfigMap"], "runtime"),
+        "data": {runtime_key(p): runtime_files[p] for p in sorted(runtime_files)},
+    }
+
+
+# ------------------------------------------------------------------------------------------------ pods
+
+
+def _pvc_claims(spec: s.FinetuneJobSpec) -> list[str]:
+    uris = [spec.model.source, spec.dataset.source, spec.training.checkpoint.storage_uri]
+    return sorted({p.claim for p in (parse_pvc(u) for u in uris) if p})
+
+
+def _volumes(job: s.FinetuneJob, runtime_files: Mapping[str, str], cfg: RenderConfig) -> tuple[list[Obj], list[Obj]]:
+    names = child_names(job.metadata.name)
+    volumes: list[Obj] = [
+        {"name": "ray-logs", "emptyDir": {}},
+        {
+            "name": "finetune-runtime",
+            "configMap": {
+                "name": names["runtimeConfigMap"],
+                "items": [{"key": runtime_key(p), "path": p} for p in sorted(runtime_files)],
+            },
+        },
+        {"name": "finetune-config", "configMap": {"name": names["configMap"]}},
+    ]
+    mounts: list[Obj] = [
+        {"name": "ray-logs", "mountPath": "/tmp/ray"},
+        {"name": "finetune-runtime", "mountPath": RUNTIME_MOUNT, "readOnly": True},
+        {"name": "finetune-config", "mountPath": CONFIG_MOUNT, "readOnly": True},
+    ]
+    for claim in _pvc_claims(job.spec):
+        vol = f"pvc-{claim}"[:63].rstrip("-.")
+        volumes.append({"name": vol, "persistentVolumeClaim": {"claimName": claim}})
+        mounts.append({"name": vol, "mountPath": f"{PVC_MOUNT_ROOT}/{claim}"})
+    if cfg.progress_url:
+        volumes.append(
+            {
+                "name": "finetune-progress-token",
+                "projected": {
+                    "sources": [
+                        {
+                            "serviceAccountToken": {
+                                "audience": progress_audience(job.metadata.namespace or "default", job.metadata.name),
+                                "expirationSeconds": TOKEN_EXPIRATION_SECONDS,
+                                "path": TOKEN_FILE,
+                            }
+                        }
+                    ]
+                },
+            }
+        )
+        mounts.append({"name": "finetune-progress-token", "mountPath": TOKEN_MOUNT, "readOnly": True})
+    return volumes, mounts
+
+
+def _env(job: s.FinetuneJob, cfg: RenderConfig, *, worker: bool) -> list[Obj]:
+    spec = job.spec
+    env: list[Obj] = [
+        {"name": "PYTHONPATH", "value": RUNTIME_MOUNT},
+        {"name": "FINETUNE_JOB_NAME", "value": job.metadata.name},
+        {"name": "FINETUNE_JOB_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
+        {"name": "FINETUNE_INSTANCE_TYPE", "value": spec.cluster.instance_type},
+        {"name": "FINETUNE_REQUIRE_EFA", "value": "1" if spec.network.require_efa else "0"},
+        {"name": "NCCL_DEBUG", "value": spec.network.nccl_debug.value},
+    ]
+    if cfg.progress_url:
+        ns = job.metadata.namespace or "default"
+        env += [
+            {"name": "FINETUNE_PROGRESS_URL", "value": f"{cfg.progress_url.rstrip('/')}/v1/progress/{ns}/{job.metadata.name}"},
+            {"name": "FINETUNE_PROGRESS_TOKEN_FILE", "value": f"{TOKEN_MOUNT}/{TOKEN_FILE}"},
+        ]
+    if spec.model.hub_token_secret_ref:
+        ref = spec.model.hub_token_secret_ref
+        env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}})
+    if worker and spec.network.efa:
+        inst = it.lookup(spec.cluster.instance_type)
+        env += [
+            {"name": "FI_PROVIDER", "value": "efa"},
+            {"name": "NCCL_NET_PLUGIN", "value": "ofi"},
+            {"name": "NCCL_SOCKET_IFNAME", "value": "eth0"},
+            # Ray and PyTorch data loaders fork; libfabric must know (else memory registration breaks).
+            {"name": "FI_EFA_FORK_SAFE", "value": "1"},
+        ]
+        if inst is not None and inst.gpudirect_rdma:
+            env.append({"name": "FI_EFA_USE_DEVICE_RDMA", "value": "1"})
+    elif worker:
+        env.append({"name": "NCCL_SOCKET_IFNAME", "value": "eth0"})
+    # User env last; a user entry replaces ours of the same name (explicit beats default).
+    user = {e.name: e.value for e in spec.cluster.env}
+    env = [e for e in env if e["name"] not in user]
+    env += [{"name": n, "value": v} for n, v in user.items()]
+    return env
+
+
+def _env_from(spec: s.FinetuneJobSpec) -> list[Obj]:
+    out: list[Obj] = []
+    for src in spec.cluster.env_from:
+        item: Obj = {}
+        if src.config_map_ref:
+            item["configMapRef"] = {"name": src.config_map_ref}
+        if src.secret_ref:
+            item["secretRef"] = {"name": src.secret_ref}
+        if src.prefix:
+            item["prefix"] = src.prefix
+        out.append(item)
+    return out
+
+
+def _pod_common(spec: s.FinetuneJobSpec) -> Obj:
+    pod: Obj = {}
+    if spec.cluster.service_account_name:
+        pod["serviceAccountName"] = spec.cluster.service_account_name
+    if spec.cluster.priority_class_name:
+        pod["priorityClassName"] = spec.cluster.priority_class_name
+    return pod
+
+
+def _head(job: s.FinetuneJob, runtime_files: Mapping[str, str], cfg: RenderConfig) -> Obj:
+    spec = job.spec
+    volumes, mounts = _volumes(job, runtime_files, cfg)
+    resources = {"cpu": spec.cluster.head.cpu, "memory": spec.cluster.head.memory}
+    container: Obj = {
+        "name": "ray-head",
+        "image": spec.cluster.image,
+        # GPU-less node with an nvidia default runtime: skip the NVML hook instead of failing.
+        "env": [{"name": "NVIDIA_VISIBLE_DEVICES", "value": "void"}] + _env(job, cfg, worker=False),
+        "ports": [
+            {"containerPort": 6379, "name": "gcs-server"},
+            {"containerPort": 8265, "name": "dashboard"},
+            {"containerPort": 10001, "name": "client"},
+        ],
+        "resources": {"requests": dict(resources), "limits": dict(resources)},
+        "volumeMounts": mounts,
+        "lifecycle": {"preStop": {"exec": {"command": ["/bin/sh", "-c", "ray stop"]}}},
+    }
+    if spec.cluster.env_from:
+        container["envFrom"] = _env_from(spec)
+    pod: Obj = {**_pod_common(spec), "containers": [container], "volumes": volumes}
+    if spec.cluster.head.node_selector:
+        pod["nodeSelector"] = dict(sorted(spec.cluster.head.node_selector.items()))
+    if spec.cluster.tolerations:
+        pod["tolerations"] = list(spec.cluster.tolerations)
+    return {
+        "rayStartParams": {"dashboard-host": "0.0.0.0", "num-gpus": "0"},
+        "template": {"metadata": {"labels": labels(job, "ray-head")}, "spec": pod},
+    }
+
+
+def _worker(job: s.FinetuneJob, runtime_files: Mapping[str, str], cfg: RenderConfig) -> Obj:
+    spec = job.spec
+    inst = it.lookup(spec.cluster.instance_type)
+    assert inst is not None  # fit_issues ran first
+    res = worker_resources(spec)
+    assert res is not None
+    cpu, mem_gib, huge_gib, shm_gib = res
+    w = spec.cluster.workers
+    resources: dict[str, str] = {"cpu": spec.cluster.workers.cpu or str(inst.default_worker_cpu), "memory": w.memory or fmt_gi(mem_gib)}
+    if w.gpus_per_worker:
+        resources[GPU] = str(w.gpus_per_worker)
+    if spec.network.efa:
+        efa = spec.cluster.efa_interfaces_per_worker
+        resources[EFA] = str(inst.efa_interfaces if efa is None else efa)
+        resources[HUGEPAGES] = w.hugepages2_mi
+    volumes, mounts = _volumes(job, runtime_files, cfg)
+    volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": w.shm_size or fmt_gi(shm_gib)}})
+    mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
+    if spec.network.efa:
+        volumes.append({"name": "hugepages", "emptyDir": {"medium": "HugePages"}})
+        mounts.append({"name": "hugepages", "mountPath": "/dev/hugepages"})
+    container: Obj = {
+        "name": "ray-worker",
+        "image": spec.cluster.image,
+        "env": _env(job, cfg, worker=True),
+        "resources": {"requests": dict(sorted(resources.items())), "limits": dict(sorted(resources.items()))},
+        "volumeMounts": mounts,
+        "lifecycle": {"preStop": {"exec": {"command": ["/bin/sh", "-c", "ray stop"]}}},
+    }
+    if spec.network.efa:
+        # libfabric pins (registers) memory for EFA: needs IPC_LOCK for an unlimited memlock.
+        container["securityContext"] = {"capabilities": {"add": ["IPC_LOCK"]}}
+    if spec.cluster.env_from:
+        container["envFrom"] = _env_from(spec)
+    tolerations: list[Obj] = []
+    if w.gpus_per_worker:
+        tolerations.append({"key": GPU, "operator": "Exists", "effect": "NoSchedule"})
+    if spec.network.efa:
+        tolerations.append({"key": EFA, "operator": "Exists", "effect": "NoSchedule"})
+    tolerations += list(spec.cluster.tolerations)
+    pod: Obj = {
+        **_pod_common(spec),
+        "containers": [container],
+        "volumes": volumes,
+        "nodeSelector": dict(sorted({**spec.cluster.node_selector, INSTANCE_LABEL: inst.name}.items())),
+    }
+    if tolerations:
+        pod["tolerations"] = tolerations
+    if spec.cluster.affinity:
+        pod["affinity"] = spec.cluster.affinity
+    return {
+        "groupName": WORKER_GROUP,
+        "replicas": w.replicas,
+        "minReplicas": w.replicas,
+        "maxReplicas": w.replicas,
+        "rayStartParams": {"num-gpus": str(w.gpus_per_worker)},
+        "template": {"metadata": {"labels": labels(job, "ray-worker")}, "spec": pod},
+    }
+
+
+def render_rayjob(job: s.FinetuneJob, runtime_files: Mapping[str, str], cfg: RenderConfig) -> Obj:
+    spec = job.spec
+    errors = fit_issues(spec)
+    if errors:
+        raise SpecError(errors)
+    rayjob_spec: Obj = {
+        "entrypoint": ENTRYPOINT,
+        "submissionMode": "K8sJobMode",
+        "shutdownAfterJobFinishes": True,
+        "ttlSecondsAfterFinished": spec.ttl_seconds_after_finished or 0,
+        "backoffLimit": spec.backoff_limit,
+        "suspend": spec.suspend,
+        "rayClusterSpec": {
+            "rayVersion": spec.cluster.ray_version,
+            "enableInTreeAutoscaling": False,
+            "headGroupSpec": _head(job, runtime_files, cfg),
+            "workerGroupSpecs": [_worker(job, runtime_files, cfg)],
+        },
+    }
+    if spec.active_deadline_seconds:
+        rayjob_spec["activeDeadlineSeconds"] = spec.active_deadline_seconds
+    if spec.cluster.pip:
+        rayjob_spec["runtimeEnvYAML"] = yaml.safe_dump({"pip": list(spec.cluster.pip)}, sort_keys=True)
+    return {
+        "apiVersion": "ray.io/v1",
+        "kind": "RayJob",
+        "metadata": _meta(job, child_names(job.metadata.name)["rayJob"], "rayjob"),
+        "spec": rayjob_spec,
+    }
+
+
+def render_children(job: s.FinetuneJob, runtime_files: Mapping[str, str], cfg: RenderConfig) -> list[Obj]:
+    """Everything the job needs, in apply order (ConfigMaps before the RayJob that mounts them)."""
+    rayjob = render_rayjob(job, runtime_files, cfg)
+    return [render_config_map(job), render_runtime_config_map(job, runtime_files), rayjob]
+
+
+def to_yaml(objs: list[Obj]) -> str:
+    return yaml.safe_dump_all(objs, sort_keys=False, width=120)

@@ -1,0 +1,210 @@
+"""The renderer: FinetuneJob -> ConfigMaps + RayJob, pure and correct for the instance type."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from finetune_operator.api.validation import SpecError, parse_job
+from finetune_operator.render.config import RenderConfig, progress_audience
+from finetune_operator.render.rayjob import render_children, render_rayjob, to_yaml
+from tests.builders import JobDoc
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
+GOLDEN = ROOT / "tests" / "golden"
+# A fixed stand-in for the training source so golden files do not churn with every runtime edit;
+# the real bundle is tested in test_bundle.py.
+FAKE_RUNTIME = {"finetune_training/__init__.py": "# runtime\n", "finetune_operator/api/spec.py": "# api\n"}
+CFG = RenderConfig(progress_url="http://finetune-operator.finetune-system.svc:8080")
+
+
+def rayjob_for(doc: dict[str, Any], cfg: RenderConfig = RenderConfig()) -> dict[str, Any]:
+    return render_rayjob(parse_job(doc), FAKE_RUNTIME, cfg)
+
+
+def workers(rj: dict[str, Any]) -> dict[str, Any]:
+    (group,) = rj["spec"]["rayClusterSpec"]["workerGroupSpecs"]
+    return group
+
+
+def container(group: dict[str, Any]) -> dict[str, Any]:
+    (c,) = group["template"]["spec"]["containers"]
+    return c
+
+
+def env(c: dict[str, Any]) -> dict[str, Any]:
+    return {e["name"]: e.get("value", e.get("valueFrom")) for e in c["env"]}
+
+
+@pytest.mark.parametrize("example", EXAMPLES, ids=[e.stem for e in EXAMPLES])
+def test_golden(example: Path, request: pytest.FixtureRequest) -> None:
+    doc = yaml.safe_load(example.read_text())
+    doc["metadata"].update(namespace="ml", uid="00000000-0000-0000-0000-000000000001")
+    out = to_yaml(render_children(parse_job(doc), FAKE_RUNTIME, CFG))
+    golden = GOLDEN / f"{example.stem}.yaml"
+    if request.config.getoption("--update-golden"):
+        golden.write_text(out)
+    assert golden.exists(), f"no golden file for {example.name}: run pytest --update-golden and review the diff"
+    assert out == golden.read_text(), f"{golden} is stale: run pytest --update-golden and review the diff"
+
+
+def test_every_example_has_a_golden_file() -> None:
+    assert {e.stem for e in EXAMPLES} == {g.stem for g in GOLDEN.glob("*.yaml")}
+
+
+def test_deterministic() -> None:
+    doc = JobDoc().obj()
+    a = to_yaml(render_children(parse_job(doc), FAKE_RUNTIME, CFG))
+    b = to_yaml(render_children(parse_job(JobDoc().obj()), dict(reversed(FAKE_RUNTIME.items())), CFG))
+    assert a == b
+
+
+def test_seed_setup_g6_12xlarge_with_efa() -> None:
+    rj = rayjob_for(yaml.safe_load((ROOT / "examples" / "qwen2.5-1.5b-g6-efa.yaml").read_text()))
+    w = workers(rj)
+    assert w["replicas"] == w["minReplicas"] == w["maxReplicas"] == 2
+    c = container(w)
+    limits = c["resources"]["limits"]
+    assert limits["nvidia.com/gpu"] == "4"
+    assert limits["vpc.amazonaws.com/efa"] == "1"
+    assert limits["hugepages-2Mi"] == "5120Mi"
+    assert (limits["cpu"], limits["memory"]) == ("40", "160Gi")
+    assert c["resources"]["requests"] == limits
+    assert w["rayStartParams"]["num-gpus"] == "4"
+    e = env(c)
+    assert e["FI_PROVIDER"] == "efa" and e["NCCL_NET_PLUGIN"] == "ofi" and e["NCCL_SOCKET_IFNAME"] == "eth0"
+    assert "FI_EFA_USE_DEVICE_RDMA" not in e  # g6 has no GPUDirect RDMA
+    assert e["FINETUNE_REQUIRE_EFA"] == "1"
+    spec = w["template"]["spec"]
+    shm = next(v for v in spec["volumes"] if v["name"] == "dshm")
+    assert shm["emptyDir"]["medium"] == "Memory"
+    assert {"name": "dshm", "mountPath": "/dev/shm"} in c["volumeMounts"]
+    assert spec["nodeSelector"] == {"node.kubernetes.io/instance-type": "g6.12xlarge"}
+    assert {t["key"] for t in spec["tolerations"]} == {"nvidia.com/gpu", "vpc.amazonaws.com/efa"}
+    head = rj["spec"]["rayClusterSpec"]["headGroupSpec"]
+    assert head["rayStartParams"]["num-gpus"] == "0"
+    hc = container(head)
+    assert "nvidia.com/gpu" not in hc["resources"]["limits"]
+    assert env(hc)["NVIDIA_VISIBLE_DEVICES"] == "void"
+    assert rj["spec"]["shutdownAfterJobFinishes"] is True
+    assert rj["spec"]["backoffLimit"] == 2
+    assert "rayClusterSpec" in rj["spec"] and "clusterSelector" not in rj["spec"]
+
+
+@pytest.mark.parametrize(
+    ("instance", "gpus", "efa", "cpu", "memory"),
+    [
+        ("g6.12xlarge", "4", "1", "40", "160Gi"),
+        ("g6.48xlarge", "8", "1", "160", "640Gi"),
+        ("g5.48xlarge", "8", "1", "160", "640Gi"),
+        ("p4d.24xlarge", "8", "4", "80", "960Gi"),
+        ("p5.48xlarge", "8", "32", "160", "1706Gi"),
+    ],
+)
+def test_instance_table(instance: str, gpus: str, efa: str, cpu: str, memory: str) -> None:
+    doc = JobDoc().set("spec.cluster.instanceType", instance).set("spec.cluster.workers.gpusPerWorker", int(gpus))
+    doc.set("spec.training.globalBatchSize", 64)
+    c = container(workers(rayjob_for(doc.obj())))
+    limits = c["resources"]["limits"]
+    assert (limits["nvidia.com/gpu"], limits["vpc.amazonaws.com/efa"], limits["cpu"], limits["memory"]) == (
+        gpus,
+        efa,
+        cpu,
+        memory,
+    )
+    rdma = env(c).get("FI_EFA_USE_DEVICE_RDMA")
+    assert rdma == ("1" if instance.startswith("p") else None)
+
+
+def test_efa_off_has_no_efa_resources_or_env() -> None:
+    c = container(workers(rayjob_for(JobDoc().set("spec.network.efa", False).obj())))
+    limits = c["resources"]["limits"]
+    assert "vpc.amazonaws.com/efa" not in limits and "hugepages-2Mi" not in limits
+    e = env(c)
+    assert "FI_PROVIDER" not in e and "NCCL_NET_PLUGIN" not in e
+    assert "securityContext" not in c
+
+
+def test_spec_that_does_not_fit_is_rejected() -> None:
+    with pytest.raises(SpecError) as err:
+        rayjob_for(JobDoc().set("spec.cluster.workers.gpusPerWorker", 8).obj())
+    assert "spec.cluster.workers.gpusPerWorker" in str(err.value)
+
+
+def test_progress_channel_is_wired_with_a_job_specific_audience() -> None:
+    doc = JobDoc(name="alpha").obj()
+    doc["metadata"]["namespace"] = "team-a"
+    rj = rayjob_for(doc, CFG)
+    for group in (rj["spec"]["rayClusterSpec"]["headGroupSpec"], workers(rj)):
+        spec = group["template"]["spec"]
+        token = next(v for v in spec["volumes"] if v["name"] == "finetune-progress-token")
+        sa = token["projected"]["sources"][0]["serviceAccountToken"]
+        assert sa["audience"] == progress_audience("team-a", "alpha") == "finetune.dev/progress/team-a/alpha"
+        e = env(container(group))
+        assert e["FINETUNE_PROGRESS_URL"].endswith("/v1/progress/team-a/alpha")
+        assert group["template"]["metadata"]["labels"]["finetune.dev/job"] == "alpha"
+
+
+def test_hub_token_is_a_secret_reference_never_a_value() -> None:
+    doc = JobDoc().set("spec.model.hubTokenSecretRef", {"name": "hf", "key": "token"}).obj()
+    objs = render_children(parse_job(doc), FAKE_RUNTIME, CFG)
+    c = container(workers(objs[-1]))
+    hf = next(e for e in c["env"] if e["name"] == "HF_TOKEN")
+    assert hf == {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "token"}}}
+
+
+def test_pvc_sources_are_mounted_once_per_claim() -> None:
+    doc = (
+        JobDoc()
+        .set("spec.model.source", "pvc://fsx/models/qwen")
+        .set("spec.dataset.source", "pvc://fsx/data/train.jsonl")
+        .set("spec.training.checkpoint.storageUri", "pvc://ckpt/runs")
+        .obj()
+    )
+    spec = workers(rayjob_for(doc))["template"]["spec"]
+    claims = [v["persistentVolumeClaim"]["claimName"] for v in spec["volumes"] if "persistentVolumeClaim" in v]
+    assert claims == ["ckpt", "fsx"]
+    mounts = {m["mountPath"] for m in spec["containers"][0]["volumeMounts"]}
+    assert {"/mnt/finetune/pvc/fsx", "/mnt/finetune/pvc/ckpt"} <= mounts
+
+
+def test_user_env_overrides_defaults_and_extras_are_kept() -> None:
+    doc = (
+        JobDoc()
+        .set("spec.cluster.env", [{"name": "NCCL_SOCKET_IFNAME", "value": "ens5"}, {"name": "X", "value": "1"}])
+        .set("spec.cluster.tolerations", [{"key": "team", "operator": "Equal", "value": "ml", "effect": "NoSchedule"}])
+        .set("spec.cluster.nodeSelector", {"topology.kubernetes.io/zone": "us-west-2a"})
+        .set("spec.cluster.priorityClassName", "training")
+        .obj()
+    )
+    w = workers(rayjob_for(doc))
+    names = [e["name"] for e in container(w)["env"]]
+    assert names.count("NCCL_SOCKET_IFNAME") == 1
+    assert env(container(w))["NCCL_SOCKET_IFNAME"] == "ens5"
+    spec = w["template"]["spec"]
+    assert spec["nodeSelector"]["topology.kubernetes.io/zone"] == "us-west-2a"
+    assert any(t["key"] == "team" for t in spec["tolerations"])
+    assert spec["priorityClassName"] == "training"
+
+
+def test_children_are_labelled_and_owned() -> None:
+    doc = JobDoc(name="owned").obj()
+    doc["metadata"]["uid"] = "u-1"
+    for obj in render_children(parse_job(doc), FAKE_RUNTIME, CFG):
+        meta = obj["metadata"]
+        assert meta["labels"]["finetune.dev/job"] == "owned"
+        assert meta["labels"]["app.kubernetes.io/managed-by"] == "finetune-operator"
+        (ref,) = meta["ownerReferences"]
+        assert ref["uid"] == "u-1" and ref["controller"] is True and ref["kind"] == "FinetuneJob"
+
+
+def test_config_map_carries_the_resolved_job() -> None:
+    cm = render_children(parse_job(JobDoc(name="cfg").obj()), FAKE_RUNTIME, CFG)[0]
+    job = yaml.safe_load(cm["data"]["job.yaml"])
+    reparsed = parse_job(job)
+    assert reparsed.spec == parse_job(JobDoc(name="cfg").obj()).spec
+    assert job["spec"]["training"]["fsdp"]["shardingStrategy"] == "hybrid"  # defaults are resolved
