@@ -1,0 +1,35 @@
+# The two commands of the README, and the pieces they are made of.
+.PHONY: setup demo test test-unit test-training test-integration control-plane crd golden lint
+
+setup:
+	./scripts/setup
+
+# First command: set up and fine-tune the embedded tiny model on CPU (Ray + FSDP + gloo, 2 workers).
+demo: setup
+	.venv/bin/finetune run examples/local-tiny.yaml
+
+# Second command: set up (venv + Go-built control plane) and run the whole test suite.
+test: setup control-plane
+	.venv/bin/python -m pytest -ra
+
+control-plane: setup
+	.venv/bin/finetune dev-cluster build
+
+test-unit: setup
+	.venv/bin/python -m pytest -ra tests/unit
+
+test-training: setup
+	.venv/bin/python -m pytest -ra tests/training
+
+test-integration: setup control-plane
+	.venv/bin/python -m pytest -ra tests/integration
+
+crd: setup
+	.venv/bin/finetune crd > crds/finetune.dev_finetunejobs.yaml
+
+golden: setup
+	.venv/bin/python -m pytest -q tests/unit/test_render.py --update-golden
+
+lint: setup
+	.venv/bin/ruff check operator training tests benchmarks
+	.venv/bin/mypy operator/finetune_operator

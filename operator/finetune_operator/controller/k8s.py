@@ -1,0 +1,200 @@
+"""The one module that talks to the API server.
+
+A thin REST layer over the kubernetes client's connection handling (kubeconfig / in-cluster auth,
+TLS), returning plain dicts. Every write goes through `_write`, which counts it (by verb and kind) so
+the benchmark can show how quiet the operator is when nothing changes.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import Counter
+from typing import Any
+from urllib.parse import quote, urlencode
+
+from kubernetes import client, config
+
+from ..api import spec as s
+from ..render.config import FIELD_MANAGER
+
+Obj = dict[str, Any]
+
+FTJ = ("finetune.dev", "v1alpha1", "finetunejobs")
+RAYJOB = ("ray.io", "v1", "rayjobs")
+RAYCLUSTER = ("ray.io", "v1", "rayclusters")
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, body: str, what: str):
+        self.status = status
+        self.body = body
+        try:
+            self.message = json.loads(body).get("message", body)
+        except (ValueError, AttributeError):
+            self.message = body
+        super().__init__(f"{what}: HTTP {status}: {self.message}")
+
+
+def load_config(kubeconfig: str | None = None) -> client.ApiClient:
+    if kubeconfig:
+        cfg = client.Configuration()
+        config.load_kube_config(config_file=kubeconfig, client_configuration=cfg)
+        return client.ApiClient(cfg)
+    try:
+        config.load_incluster_config()
+    except config.ConfigException:
+        config.load_kube_config()
+    return client.ApiClient()
+
+
+def _path(gvr: tuple[str, str, str], namespace: str | None, name: str | None = None, sub: str | None = None) -> str:
+    group, version, plural = gvr
+    base = f"/api/{version}" if group == "" else f"/apis/{group}/{version}"
+    if namespace:
+        base += f"/namespaces/{quote(namespace)}"
+    base += f"/{plural}"
+    if name:
+        base += f"/{quote(name)}"
+    if sub:
+        base += f"/{sub}"
+    return base
+
+
+CONFIGMAPS = ("", "v1", "configmaps")
+PODS = ("", "v1", "pods")
+NODES = ("", "v1", "nodes")
+EVENTS = ("", "v1", "events")
+LEASES = ("coordination.k8s.io", "v1", "leases")
+TOKENREVIEWS = ("authentication.k8s.io", "v1", "tokenreviews")
+
+
+def gvr_of(obj: Obj) -> tuple[str, str, str]:
+    api_version, kind = obj["apiVersion"], obj["kind"]
+    group, _, version = api_version.rpartition("/")
+    plural = {"ConfigMap": "configmaps", "RayJob": "rayjobs", "RayCluster": "rayclusters", "FinetuneJob": "finetunejobs"}[kind]
+    return group, version, plural
+
+
+class Kube:
+    def __init__(self, api: client.ApiClient, timeout: float = 30.0):
+        self.api = api
+        self.timeout = timeout
+        self.writes: Counter[str] = Counter()
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------------------------------------ REST
+    def request(
+        self,
+        method: str,
+        path: str,
+        *,
+        body: Any = None,
+        content_type: str = "application/json",
+        query: dict[str, Any] | None = None,
+        what: str = "",
+    ) -> Obj:
+        headers = {"Accept": "application/json", "Content-Type": content_type}
+        data = json.dumps(body) if body is not None else None
+        method_, url, headers, _, _ = self.api.param_serialize(
+            method=method, resource_path=path, header_params=headers, auth_settings=["BearerToken"]
+        )
+        if query:
+            url += "?" + urlencode(query)
+        resp = self.api.call_api(method_, url, header_params=headers, body=data, _request_timeout=self.timeout)
+        raw = resp.read()
+        text = raw.decode() if isinstance(raw, bytes) else str(raw or "")
+        if resp.status >= 400:
+            raise ApiError(resp.status, text, what or f"{method} {path}")
+        return json.loads(text) if text else {}
+
+    def _write(self, verb: str, kind: str, method: str, path: str, **kw: Any) -> Obj:
+        with self._lock:
+            self.writes[f"{verb} {kind}"] += 1
+        return self.request(method, path, **kw)
+
+    def get(self, gvr: tuple[str, str, str], namespace: str | None, name: str) -> Obj | None:
+        try:
+            return self.request("GET", _path(gvr, namespace, name))
+        except ApiError as err:
+            if err.status == 404:
+                return None
+            raise
+
+    def list(self, gvr: tuple[str, str, str], namespace: str | None = None, selector: str | None = None) -> list[Obj]:
+        query = {"labelSelector": selector} if selector else None
+        return list(self.request("GET", _path(gvr, namespace), query=query).get("items") or [])
+
+    # ----------------------------------------------------------------------------------------- writes
+    def apply(self, obj: Obj) -> Obj:
+        """Server-side apply under the operator's field manager."""
+        meta = obj["metadata"]
+        return self._write(
+            "apply",
+            obj["kind"],
+            "PATCH",
+            _path(gvr_of(obj), meta.get("namespace"), meta["name"]),
+            body=obj,
+            content_type="application/apply-patch+yaml",
+            query={"fieldManager": FIELD_MANAGER, "force": "true"},
+        )
+
+    def patch_status(self, namespace: str, name: str, status: Obj) -> Obj:
+        return self._write(
+            "patch-status",
+            s.KIND,
+            "PATCH",
+            _path(FTJ, namespace, name, "status"),
+            body={"status": status},
+            content_type="application/merge-patch+json",
+        )
+
+    def patch(self, gvr: tuple[str, str, str], namespace: str, name: str, body: Obj, kind: str) -> Obj:
+        return self._write("patch", kind, "PATCH", _path(gvr, namespace, name), body=body,
+                           content_type="application/merge-patch+json")
+
+    def create(self, gvr: tuple[str, str, str], namespace: str | None, body: Obj, kind: str) -> Obj:
+        return self._write("create", kind, "POST", _path(gvr, namespace), body=body)
+
+    def replace(self, gvr: tuple[str, str, str], namespace: str | None, name: str, body: Obj, kind: str) -> Obj:
+        return self._write("update", kind, "PUT", _path(gvr, namespace, name), body=body)
+
+    def delete(self, gvr: tuple[str, str, str], namespace: str, name: str, kind: str) -> None:
+        try:
+            self._write("delete", kind, "DELETE", _path(gvr, namespace, name),
+                        body={"propagationPolicy": "Background"})
+        except ApiError as err:
+            if err.status != 404:
+                raise
+
+    def event(self, involved: Obj, reason: str, message: str, type_: str = "Normal", now: str = "") -> None:
+        meta = involved["metadata"]
+        ns = meta.get("namespace") or "default"
+        body = {
+            "apiVersion": "v1",
+            "kind": "Event",
+            "metadata": {"generateName": f"{meta['name']}.", "namespace": ns},
+            "involvedObject": {
+                "apiVersion": involved.get("apiVersion", s.API_VERSION),
+                "kind": involved.get("kind", s.KIND),
+                "name": meta["name"],
+                "namespace": ns,
+                "uid": meta.get("uid"),
+            },
+            "reason": reason,
+            "message": message[:1024],
+            "type": type_,
+            "source": {"component": "finetune-operator"},
+            "reportingComponent": "finetune-operator",
+            "firstTimestamp": now or None,
+            "lastTimestamp": now or None,
+            "count": 1,
+        }
+        self._write("create", "Event", "POST", _path(EVENTS, ns), body=body)
+
+    # ------------------------------------------------------------------------------------------- auth
+    def token_review(self, token: str, audiences: list[str]) -> Obj:
+        body = {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenReview",
+                "spec": {"token": token, "audiences": audiences}}
+        # Not counted as a write: TokenReview is a read-only query that happens to be a POST.
+        return self.request("POST", _path(TOKENREVIEWS, None), body=body).get("status") or {}

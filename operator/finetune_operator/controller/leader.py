@@ -1,0 +1,123 @@
+"""Leader election on a coordination.k8s.io Lease, so two replicas never both act.
+
+Optimistic concurrency does the work: acquiring or renewing is a PUT with the resourceVersion that was
+read, so of two replicas racing for an expired lease exactly one wins. A leader that cannot renew
+before its lease expires stops acting (the runner exits and Kubernetes restarts it as a candidate).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from datetime import datetime, timedelta, timezone
+from typing import Any
+
+from .k8s import LEASES, ApiError, Kube
+
+log = logging.getLogger("finetune.leader")
+_FMT = "%Y-%m-%dT%H:%M:%S.%fZ"
+
+
+def _now() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+def _parse(ts: str | None) -> datetime | None:
+    if not ts:
+        return None
+    for fmt in (_FMT, "%Y-%m-%dT%H:%M:%SZ"):
+        try:
+            return datetime.strptime(ts, fmt).replace(tzinfo=timezone.utc)
+        except ValueError:
+            continue
+    return None
+
+
+class LeaderElector:
+    def __init__(self, kube: Kube, namespace: str, name: str, identity: str,
+                 lease_seconds: int = 30, renew_seconds: float = 10.0, retry_seconds: float = 5.0):
+        self.kube = kube
+        self.namespace = namespace
+        self.name = name
+        self.identity = identity
+        self.lease_seconds = lease_seconds
+        self.renew_seconds = renew_seconds
+        self.retry_seconds = retry_seconds
+        self.is_leader = False
+        self._last_renew: datetime | None = None
+
+    def _spec(self, now: datetime, acquired: bool, prev: dict[str, Any]) -> dict[str, Any]:
+        stamp = now.strftime(_FMT)
+        spec = {
+            "holderIdentity": self.identity,
+            "leaseDurationSeconds": self.lease_seconds,
+            "renewTime": stamp,
+            "acquireTime": stamp if acquired else prev.get("acquireTime", stamp),
+            "leaseTransitions": int(prev.get("leaseTransitions") or 0) + (1 if acquired and prev else 0),
+        }
+        return spec
+
+    def try_acquire_or_renew(self) -> bool:
+        now = _now()
+        lease = self.kube.get(LEASES, self.namespace, self.name)
+        try:
+            if lease is None:
+                self.kube.create(LEASES, self.namespace, {
+                    "apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
+                    "metadata": {"name": self.name, "namespace": self.namespace},
+                    "spec": self._spec(now, True, {}),
+                }, kind="Lease")
+                self._last_renew = now
+                return True
+            spec = lease.get("spec") or {}
+            holder = spec.get("holderIdentity")
+            renewed = _parse(spec.get("renewTime"))
+            duration = int(spec.get("leaseDurationSeconds") or self.lease_seconds)
+            expired = renewed is None or now > renewed + timedelta(seconds=duration)
+            if holder != self.identity and not expired and holder:
+                return False
+            lease["spec"] = self._spec(now, holder != self.identity, spec)
+            self.kube.replace(LEASES, self.namespace, self.name, lease, kind="Lease")
+            self._last_renew = now
+            return True
+        except ApiError as err:
+            if err.status in (409, 422):  # somebody else won the race
+                return False
+            raise
+
+    async def acquire(self) -> None:
+        """Block until this replica holds the lease."""
+        while True:
+            try:
+                if await asyncio.to_thread(self.try_acquire_or_renew):
+                    self.is_leader = True
+                    log.info("became leader (%s/%s as %s)", self.namespace, self.name, self.identity)
+                    return
+            except Exception as err:
+                log.warning("leader election: %s", err)
+            await asyncio.sleep(self.retry_seconds)
+
+    async def hold(self) -> None:
+        """Renew until renewal fails past the lease duration; then return (leadership lost)."""
+        while True:
+            await asyncio.sleep(self.renew_seconds)
+            try:
+                if await asyncio.to_thread(self.try_acquire_or_renew):
+                    continue
+                log.error("lost the lease to another replica")
+            except Exception as err:
+                log.warning("lease renewal failed: %s", err)
+                if self._last_renew and _now() < self._last_renew + timedelta(seconds=self.lease_seconds - self.renew_seconds):
+                    continue
+            self.is_leader = False
+            return
+
+    def release(self) -> None:
+        lease = self.kube.get(LEASES, self.namespace, self.name)
+        if lease and (lease.get("spec") or {}).get("holderIdentity") == self.identity:
+            lease["spec"]["holderIdentity"] = ""
+            lease["spec"]["leaseDurationSeconds"] = 1
+            try:
+                self.kube.replace(LEASES, self.namespace, self.name, lease, kind="Lease")
+            except ApiError:
+                pass

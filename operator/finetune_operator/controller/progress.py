@@ -1,0 +1,221 @@
+"""The progress channel: training pods POST progress here; the operator mirrors it into status.
+
+Why this shape (see docs/operator.md): training pods get no Kubernetes write permission. Each Ray pod
+carries a projected service-account token whose audience names its job
+(`finetune.dev/progress/<ns>/<name>`). The server checks it with a TokenReview for exactly that
+audience, then checks the pod the token is bound to still exists and is labelled with that job.
+A valid token minted for another job gets 403; a missing or forged one 401. Plain HTTP inside the
+cluster network by default (the tokens are short-lived and useless against the API server, and a
+NetworkPolicy in deploy/ admits only job pods); pass --tls-cert/--tls-key for HTTPS.
+
+Updates are coalesced: the latest report per job is kept in memory and written to the status at most
+once per flush interval, so a chatty trainer costs one PATCH every few seconds, not one per step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import hashlib
+import json
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import ValidationError
+
+from ..api.status import ProgressReport
+from ..render.config import progress_audience
+from ..render.rayjob import JOB_LABEL
+from .k8s import PODS, Kube
+from .metrics import Metrics
+
+log = logging.getLogger("finetune.progress")
+AUDIENCE_PREFIX = "finetune.dev/progress/"
+MAX_BODY = 64 * 1024
+
+
+def unverified_audiences(token: str) -> list[str]:
+    """The `aud` claim of a JWT, *unverified*: only used to pick which audience to ask TokenReview about."""
+    try:
+        payload = token.split(".")[1]
+        claims = json.loads(base64.urlsafe_b64decode(payload + "=" * (-len(payload) % 4)))
+    except (IndexError, ValueError):
+        return []
+    aud = claims.get("aud", [])
+    return [aud] if isinstance(aud, str) else [a for a in aud if isinstance(a, str)]
+
+
+@dataclass
+class Verdict:
+    code: int
+    message: str
+
+
+@dataclass
+class _Pending:
+    training: dict[str, Any] = field(default_factory=dict)
+    network: dict[str, Any] = field(default_factory=dict)
+    dirty: bool = False
+
+
+def _merge(a: dict[str, Any], b: dict[str, Any] | None) -> dict[str, Any]:
+    return {**a, **{k: v for k, v in (b or {}).items() if v is not None}}
+
+
+class ProgressServer:
+    def __init__(
+        self,
+        kube: Kube,
+        metrics: Metrics,
+        on_flushed: Callable[[str, str], None] = lambda ns, name: None,
+        flush_interval: float = 5.0,
+        auth_cache_seconds: float = 60.0,
+        clock: Callable[[], str] | None = None,
+    ):
+        from .reconcile import utcnow
+
+        self.kube = kube
+        self.metrics = metrics
+        self.on_flushed = on_flushed
+        self.flush_interval = flush_interval
+        self.auth_cache_seconds = auth_cache_seconds
+        self.clock = clock or utcnow
+        self.pending: dict[tuple[str, str], _Pending] = {}
+        self._auth_cache: dict[str, tuple[float, Verdict]] = {}
+        self.ready = False
+
+    # ------------------------------------------------------------------------------------------ auth
+    def authorize(self, token: str, namespace: str, name: str) -> Verdict:
+        key = hashlib.sha256(f"{namespace}/{name}/{token}".encode()).hexdigest()
+        hit = self._auth_cache.get(key)
+        if hit and hit[0] > time.monotonic():
+            return hit[1]
+        verdict = self._authorize(token, namespace, name)
+        if verdict.code == 200:
+            self._auth_cache[key] = (time.monotonic() + self.auth_cache_seconds, verdict)
+        return verdict
+
+    def _authorize(self, token: str, namespace: str, name: str) -> Verdict:
+        audience = progress_audience(namespace, name)
+        review = self.kube.token_review(token, [audience])
+        if not review.get("authenticated"):
+            others = [a for a in unverified_audiences(token) if a.startswith(AUDIENCE_PREFIX) and a != audience]
+            if others and self.kube.token_review(token, others[:1]).get("authenticated"):
+                return Verdict(403, f"token was issued for {others[0]}, not for job {namespace}/{name}")
+            return Verdict(401, review.get("error") or "token not accepted for this job's audience")
+        user = review.get("user") or {}
+        parts = str(user.get("username", "")).split(":")
+        if len(parts) != 4 or parts[:2] != ["system", "serviceaccount"] or parts[2] != namespace:
+            return Verdict(403, f"{user.get('username')} is not a service account of namespace {namespace}")
+        extra = user.get("extra") or {}
+        pod_name = (extra.get("authentication.kubernetes.io/pod-name") or [None])[0]
+        pod_uid = (extra.get("authentication.kubernetes.io/pod-uid") or [None])[0]
+        if not pod_name:
+            return Verdict(403, "token is not bound to a pod")
+        pod = self.kube.get(PODS, namespace, pod_name)
+        if pod is None or (pod_uid and pod["metadata"].get("uid") != pod_uid):
+            return Verdict(403, f"pod {pod_name} no longer exists")
+        owner = (pod["metadata"].get("labels") or {}).get(JOB_LABEL)
+        if owner != name:
+            return Verdict(403, f"pod {pod_name} belongs to job {owner!r}, not {name!r}")
+        return Verdict(200, "ok")
+
+    # ----------------------------------------------------------------------------------------- HTTP
+    async def handle_progress(self, request: web.Request) -> web.Response:
+        ns, name = request.match_info["namespace"], request.match_info["name"]
+        header = request.headers.get("Authorization", "")
+        if not header.startswith("Bearer ") or not header[7:].strip():
+            return self._reply(401, "missing bearer token")
+        verdict = await asyncio.to_thread(self.authorize, header[7:].strip(), ns, name)
+        if verdict.code != 200:
+            return self._reply(verdict.code, verdict.message)
+        try:
+            raw = await request.content.read(MAX_BODY + 1)
+            if len(raw) > MAX_BODY:
+                return self._reply(413, f"body over {MAX_BODY} bytes")
+            report = ProgressReport.model_validate_json(raw)
+        except ValidationError as err:
+            first = err.errors(include_url=False)[0]
+            return self._reply(422, f"{'.'.join(str(p) for p in first['loc'])}: {first['msg']}")
+        self.accept(ns, name, report)
+        return self._reply(202, "accepted")
+
+    def accept(self, namespace: str, name: str, report: ProgressReport) -> None:
+        p = self.pending.setdefault((namespace, name), _Pending())
+        training = report.training.wire() if report.training and report.rank == 0 else None
+        network = report.network.wire() if report.network else None
+        if training is not None:
+            training["lastReportTime"] = self.clock()
+        p.training = _merge(p.training, training)
+        p.network = _merge(p.network, network)
+        p.dirty = True
+        self.metrics.observe_progress(namespace, name, training, network)
+
+    def _reply(self, code: int, message: str) -> web.Response:
+        self.metrics.progress_reports.labels(str(code)).inc()
+        return web.json_response({"code": code, "message": message}, status=code)
+
+    async def healthz(self, request: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    async def readyz(self, request: web.Request) -> web.Response:
+        # Only the leader is ready, so the Service sends progress to the replica that acts on it.
+        return web.Response(text="leader" if self.ready else "standby", status=200 if self.ready else 503)
+
+    async def metrics_view(self, request: web.Request) -> web.Response:
+        return web.Response(body=generate_latest(self.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=MAX_BODY)
+        app.router.add_post("/v1/progress/{namespace}/{name}", self.handle_progress)
+        app.router.add_get("/healthz", self.healthz)
+        app.router.add_get("/readyz", self.readyz)
+        app.router.add_get("/metrics", self.metrics_view)
+        return app
+
+    # ---------------------------------------------------------------------------------------- flush
+    def forget(self, namespace: str, name: str) -> None:
+        self.pending.pop((namespace, name), None)
+
+    def flush_once(self) -> int:
+        """Write every job's latest progress into its status; returns how many jobs were patched."""
+        from .k8s import ApiError
+
+        n = 0
+        for (ns, name), p in list(self.pending.items()):
+            if not p.dirty:
+                continue
+            p.dirty = False
+            patch: dict[str, Any] = {}
+            if p.training:
+                patch["training"] = dict(p.training)
+                step, total = p.training.get("step"), p.training.get("totalSteps")
+                if step is not None:
+                    patch["step"] = f"{step}/{total}" if total else str(step)
+            if p.network:
+                patch["network"] = dict(p.network)
+            try:
+                self.kube.patch_status(ns, name, patch)
+            except ApiError as err:
+                if err.status == 404:
+                    self.forget(ns, name)
+                    continue
+                p.dirty = True
+                log.warning("progress flush for %s/%s failed: %s", ns, name, err)
+                continue
+            n += 1
+            self.on_flushed(ns, name)
+        return n
+
+    async def flush_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.flush_interval)
+            try:
+                await asyncio.to_thread(self.flush_once)
+            except Exception:  # never let one bad flush stop the loop
+                log.exception("progress flush failed")

@@ -1,0 +1,218 @@
+"""The level-based reconcile: look at the world, close the gap, write status once.
+
+`plan_children` and `derive_status` decide (pure); `Reconciler.reconcile` observes and executes via
+the Kube client. Idempotent: with nothing changed it makes no write at all (children carry a hash of
+what was rendered; status is compared before patching).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import Any
+
+from ..api import spec as s
+from ..api.status import Phase
+from ..api.validation import Issue, SpecError, parse_job
+from ..render.config import RenderConfig
+from ..render.rayjob import JOB_LABEL, child_names, render_children
+from .k8s import FTJ, NODES, PODS, RAYJOB, ApiError, Kube, gvr_of
+from .metrics import Metrics
+from .preflight import check_capacity
+from .status import Observed, derive_status
+
+Obj = dict[str, Any]
+HASH_ANNOTATION = "finetune.dev/render-hash"
+TERMINAL = {Phase.succeeded.value, Phase.failed.value}
+log = logging.getLogger("finetune.reconcile")
+
+
+def utcnow() -> str:
+    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def render_hash(obj: Obj) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def with_hash(obj: Obj) -> Obj:
+    out = json.loads(json.dumps(obj))
+    out["metadata"].setdefault("annotations", {})[HASH_ANNOTATION] = render_hash(obj)
+    return out
+
+
+@dataclass(frozen=True)
+class ChildAction:
+    obj: Obj  # desired, with hash annotation
+    apply: bool  # False: observed already matches
+    conflict: str | None = None
+
+
+def plan_children(desired: list[Obj], observed: Mapping[str, Obj | None], owner_uid: str) -> list[ChildAction]:
+    """Pure: which children to (re)apply. `observed` is keyed by child name."""
+    actions = []
+    for obj in desired:
+        want = with_hash(obj)
+        name = obj["metadata"]["name"]
+        cur = observed.get(name)
+        if cur is None:
+            actions.append(ChildAction(want, True))
+            continue
+        owners = {r.get("uid") for r in cur["metadata"].get("ownerReferences") or []}
+        if owner_uid not in owners:
+            actions.append(ChildAction(want, False, f"{obj['kind']} {name} already exists and is not owned by this FinetuneJob; "
+                                                    "delete or rename it"))
+            continue
+        have = (cur["metadata"].get("annotations") or {}).get(HASH_ANNOTATION)
+        actions.append(ChildAction(want, have != want["metadata"]["annotations"][HASH_ANNOTATION]))
+    return actions
+
+
+def job_document(body: Obj) -> Obj:
+    meta = body.get("metadata") or {}
+    return {
+        "apiVersion": body.get("apiVersion", s.API_VERSION),
+        "kind": body.get("kind", s.KIND),
+        "metadata": {k: meta[k] for k in ("name", "namespace", "uid", "generation") if k in meta},
+        "spec": body.get("spec") or {},
+    }
+
+
+class Reconciler:
+    def __init__(
+        self,
+        kube: Kube,
+        cfg: RenderConfig,
+        runtime_files: Mapping[str, str],
+        metrics: Metrics | None = None,
+        clock: Callable[[], str] = utcnow,
+    ):
+        self.kube = kube
+        self.cfg = cfg
+        self.runtime_files = dict(runtime_files)
+        self.metrics = metrics or Metrics()
+        self.clock = clock
+        self.phases: dict[tuple[str, str], str] = {}
+
+    def forget(self, namespace: str, name: str) -> None:
+        self.phases.pop((namespace, name), None)
+        self.metrics.forget(namespace, name)
+
+    def reconcile(self, namespace: str, name: str) -> str | None:
+        """Returns the phase after reconciling (None if the job is gone)."""
+        started = time.monotonic()
+        result = "ok"
+        try:
+            return self._reconcile(namespace, name)
+        except Exception as err:
+            result = "error"
+            self.metrics.reconcile_errors.labels(type(err).__name__).inc()
+            raise
+        finally:
+            self.metrics.reconciles.labels(result).inc()
+            self.metrics.reconcile_seconds.observe(time.monotonic() - started)
+            for key, n in list(self.kube.writes.items()):
+                verb, kind = key.split(" ", 1)
+                self.metrics.api_writes.labels(verb, kind)._value.set(n)  # mirror the client's counter
+
+    def _reconcile(self, namespace: str, name: str) -> str | None:
+        body = self.kube.get(FTJ, namespace, name)
+        if body is None or body["metadata"].get("deletionTimestamp"):
+            self.forget(namespace, name)
+            return None
+        meta = body["metadata"]
+        prev: Obj = body.get("status") or {}
+        names = child_names(name)
+        observed = Observed()
+        job: s.FinetuneJob | None = None
+        try:
+            job = parse_job(job_document(body))
+        except SpecError as err:
+            observed.spec_issues = err.issues
+
+        if job is not None:
+            if prev.get("phase") in TERMINAL:
+                # Finished: observe only. Never re-create children KubeRay or a user cleaned up.
+                observed.rayjob = self.kube.get(RAYJOB, namespace, names["rayJob"])
+            else:
+                self._ensure_children(job, prev, names, observed)
+
+        if job is not None and observed.rayjob is not None:
+            observed.pods = self.kube.list(PODS, namespace, f"{JOB_LABEL}={name}")
+            if prev.get("phase") not in TERMINAL:
+                observed.capacity = self._capacity(job)
+        elif job is not None and not observed.conflict:
+            observed.capacity = self._capacity(job)
+
+        new = derive_status(
+            generation=meta.get("generation"),
+            suspend=bool((body.get("spec") or {}).get("suspend")),
+            names=names,
+            prev=prev,
+            observed=observed,
+            now=self.clock(),
+        )
+        if prev.get("phase") in TERMINAL and new.get("phase") not in TERMINAL and observed.rayjob is None:
+            new = {**prev, "observedGeneration": meta.get("generation")}  # finished and cleaned up: keep the verdict
+        self._write_status(body, prev, new)
+        phase = new.get("phase")
+        self.phases[(namespace, name)] = phase
+        self.metrics.set_phase(namespace, name, phase)
+        return phase  # type: ignore[no-any-return]
+
+    def _capacity(self, job: s.FinetuneJob) -> Any:
+        nodes = self.kube.list(NODES, None, f"node.kubernetes.io/instance-type={job.spec.cluster.instance_type}")
+        return check_capacity(job.spec, nodes)
+
+    def _ensure_children(self, job: s.FinetuneJob, prev: Obj, names: dict[str, str], observed: Observed) -> None:
+        ns = job.metadata.namespace or "default"
+        if prev.get("rayJobName") != names["rayJob"]:
+            # Record the child names before creating anything: a crash between create and record can
+            # then never lead to a second, differently named child.
+            self.kube.patch_status(ns, job.metadata.name, {"rayJobName": names["rayJob"], "configMapName": names["configMap"]})
+        try:
+            desired = render_children(job, self.runtime_files, self.cfg)
+        except SpecError as err:
+            observed.spec_issues = err.issues
+            return
+        current = {o["metadata"]["name"]: self.kube.get(gvr_of(o), ns, o["metadata"]["name"]) for o in desired}
+        for action in plan_children(desired, current, job.metadata.uid or ""):
+            if action.conflict:
+                observed.conflict = action.conflict
+                return
+            name = action.obj["metadata"]["name"]
+            if action.apply:
+                try:
+                    current[name] = self.kube.apply(action.obj)
+                except ApiError as err:
+                    if err.status in (400, 422):
+                        observed.spec_issues = [Issue(f"{action.obj['kind']} {name}", f"rejected by the API server: {err.message}")]
+                        return
+                    raise
+        observed.rayjob = current.get(names["rayJob"])
+
+    def _write_status(self, body: Obj, prev: Obj, new: Obj) -> None:
+        meta = body["metadata"]
+        managed_prev = {k: v for k, v in prev.items() if k not in ("training", "network", "step")}
+        managed_new = {k: v for k, v in new.items() if k not in ("training", "network", "step")}
+        if managed_prev == managed_new:
+            return  # nothing changed: no write (an idle operator makes no API writes)
+        patch = dict(managed_new)
+        for k in managed_prev:
+            if k not in managed_new:
+                patch[k] = None
+        self.kube.patch_status(meta["namespace"], meta["name"], patch)
+        old_phase, new_phase = prev.get("phase"), new.get("phase")
+        if old_phase != new_phase:
+            self.kube.event(
+                {"apiVersion": s.API_VERSION, "kind": s.KIND, "metadata": meta},
+                reason=str(new_phase),
+                message=str(new.get("message") or new_phase),
+                type_="Warning" if new_phase == Phase.failed.value else "Normal",
+                now=self.clock(),
+            )

@@ -1,0 +1,174 @@
+"""`finetune operator`: run the operator in a cluster (in-cluster config) or locally (a kubeconfig).
+
+Process layout: one asyncio loop serving the HTTP endpoints (progress, /metrics, /healthz, /readyz)
+from the start; once this replica holds the Lease it starts the kopf watchers, the work queue, the
+progress flusher and the periodic resync. If the Lease is lost, the process exits non-zero so that
+nothing acts without leadership (Kubernetes restarts it as a follower).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import socket
+import ssl
+import sys
+import uuid
+from typing import Any
+
+log = logging.getLogger("finetune.operator")
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser("operator", help="run the FinetuneJob operator (kopf) against a cluster")
+    p.add_argument("--kubeconfig", help="kubeconfig to use (default: in-cluster, then ~/.kube/config)")
+    p.add_argument("--namespace", action="append", default=[], help="watch only this namespace (repeatable; default all)")
+    p.add_argument("--listen", default="0.0.0.0", help="address for the HTTP endpoints")
+    p.add_argument("--port", type=int, default=8080, help="port for /v1/progress, /metrics, /healthz, /readyz")
+    p.add_argument("--progress-url", default=os.environ.get("FINETUNE_PROGRESS_URL"),
+                   help="base URL pods use to reach this operator (e.g. http://finetune-operator.finetune-system.svc:8080)")
+    p.add_argument("--tls-cert", help="serve HTTPS with this certificate")
+    p.add_argument("--tls-key", help="private key for --tls-cert")
+    p.add_argument("--flush-interval", type=float, default=5.0, help="seconds between progress status writes per job")
+    p.add_argument("--resync-interval", type=float, default=120.0, help="seconds between full re-reconciles")
+    p.add_argument("--workers", type=int, default=4, help="concurrent reconciles")
+    p.add_argument("--leader-elect", action=argparse.BooleanOptionalAction, default=True, help="take a Lease before acting")
+    p.add_argument("--lease-namespace", default=os.environ.get("POD_NAMESPACE", "default"))
+    p.add_argument("--lease-name", default="finetune-operator-leader")
+    p.add_argument("--identity", default=os.environ.get("POD_NAME") or f"{socket.gethostname()}-{uuid.uuid4().hex[:6]}")
+    p.add_argument("--log-level", default="INFO")
+    p.set_defaults(func=main)
+
+
+def _connection(api: Any) -> Any:
+    import kopf
+
+    cfg = api.configuration
+    token = (cfg.api_key or {}).get("authorization") or (cfg.api_key or {}).get("BearerToken")
+    if token and token.lower().startswith("bearer "):
+        token = token[7:]
+    return kopf.ConnectionInfo(
+        server=cfg.host,
+        ca_path=cfg.ssl_ca_cert,
+        insecure=not cfg.verify_ssl,
+        certificate_path=cfg.cert_file,
+        private_key_path=cfg.key_file,
+        token=token,
+        scheme="Bearer" if token else None,
+    )
+
+
+async def run(args: argparse.Namespace) -> int:
+    import kopf
+    from aiohttp import web
+
+    from .controller.handlers import build_registry, settings_for_embedding
+    from .controller.k8s import Kube, load_config
+    from .controller.leader import LeaderElector
+    from .controller.metrics import Metrics
+    from .controller.progress import ProgressServer
+    from .controller.reconcile import Reconciler
+    from .controller.workqueue import WorkQueue
+    from .render.bundle import runtime_files
+    from .render.config import RenderConfig
+
+    api = load_config(args.kubeconfig)
+    kube = Kube(api)
+    metrics = Metrics()
+    reconciler = Reconciler(kube, RenderConfig(progress_url=args.progress_url), runtime_files(), metrics)
+    queue = WorkQueue(reconciler.reconcile, workers=args.workers)
+    progress = ProgressServer(kube, metrics, on_flushed=queue.add, flush_interval=args.flush_interval)
+
+    ssl_ctx = None
+    if args.tls_cert:
+        ssl_ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        ssl_ctx.load_cert_chain(args.tls_cert, args.tls_key)
+    runner = web.AppRunner(progress.app(), access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, args.listen, args.port, ssl_context=ssl_ctx)
+    await site.start()
+    log.info("serving progress/metrics on %s:%d (%s)", args.listen, args.port, "https" if ssl_ctx else "http")
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+
+    elector = None
+    if args.leader_elect:
+        elector = LeaderElector(kube, args.lease_namespace, args.lease_name, args.identity)
+        acquire = asyncio.create_task(elector.acquire())
+        stopper = asyncio.create_task(stop.wait())
+        await asyncio.wait({acquire, stopper}, return_when=asyncio.FIRST_COMPLETED)
+        if stop.is_set():
+            acquire.cancel()
+            await runner.cleanup()
+            return 0
+    progress.ready = True
+
+    registry = build_registry(queue, reconciler, progress)
+
+    @kopf.on.login(registry=registry)
+    def login(**_: Any) -> Any:
+        return _connection(api)
+
+    queue.start()
+
+    async def resync() -> None:
+        while True:
+            await asyncio.sleep(args.resync_interval)
+            for ns, name in list(reconciler.phases):
+                queue.add(ns, name)
+
+    kopf_stop = asyncio.Event()
+    tasks = [
+        asyncio.create_task(
+            kopf.operator(
+                registry=registry,
+                settings=settings_for_embedding(),
+                clusterwide=not args.namespace,
+                namespaces=args.namespace,
+                stop_flag=kopf_stop,
+            ),
+            name="kopf",
+        ),
+        asyncio.create_task(progress.flush_forever(), name="flush"),
+        asyncio.create_task(resync(), name="resync"),
+    ]
+    waiters = [asyncio.create_task(stop.wait())]
+    if elector:
+        waiters.append(asyncio.create_task(elector.hold()))
+    done, _ = await asyncio.wait(waiters + tasks, return_when=asyncio.FIRST_COMPLETED)
+    lost = elector is not None and not elector.is_leader and not stop.is_set()
+    kopf_stop.set()
+    progress.ready = False
+    await asyncio.to_thread(progress.flush_once)
+    for t in tasks + waiters:
+        if t.get_name() != "kopf":
+            t.cancel()
+    await asyncio.wait(tasks, timeout=10)
+    await queue.stop()
+    if elector and not lost:
+        await asyncio.to_thread(elector.release)
+    await runner.cleanup()
+    for t in done:
+        if t in tasks and not t.cancelled() and t.exception():
+            log.error("%s stopped: %s", t.get_name(), t.exception())
+            return 1
+    if lost:
+        log.error("leadership lost: exiting so that only the leader acts")
+        return 2
+    return 0
+
+
+def main(args: argparse.Namespace) -> int:
+    logging.basicConfig(
+        level=getattr(logging, str(args.log_level).upper(), logging.INFO),
+        format="%(asctime)s %(levelname)s %(name)s %(message)s",
+        stream=sys.stderr,
+    )
+    logging.getLogger("kopf").setLevel(logging.WARNING)
+    return asyncio.run(run(args))
