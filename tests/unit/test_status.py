@@ -1,0 +1,171 @@
+"""Status derivation and preflight: pure functions, table-driven."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from finetune_operator.api.validation import Issue, parse_job
+from finetune_operator.controller.preflight import check_capacity
+from finetune_operator.controller.reconcile import plan_children, with_hash
+from finetune_operator.controller.status import Observed, derive_status
+from tests.builders import JobDoc
+
+NAMES = {"rayJob": "j", "configMap": "j-config", "runtimeConfigMap": "j-runtime"}
+NOW = "2026-12-02T10:00:00Z"
+LATER = "2026-12-02T10:05:00Z"
+
+
+def rayjob(deploy: str = "", job: str = "", **extra: Any) -> dict[str, Any]:
+    return {"metadata": {"name": "j"}, "status": {"jobDeploymentStatus": deploy, "jobStatus": job, **extra}}
+
+
+def pod(name: str, node_type: str = "worker", *, unschedulable: str | None = None, waiting: str | None = None) -> dict[str, Any]:
+    status: dict[str, Any] = {"conditions": []}
+    if unschedulable:
+        status["conditions"].append({"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
+                                     "message": unschedulable})
+    if waiting:
+        status["containerStatuses"] = [{"name": "ray-worker", "state": {"waiting": {"reason": waiting, "message": "boom"}}}]
+    return {"metadata": {"name": name, "labels": {"ray.io/node-type": node_type}}, "status": status}
+
+
+def derive(observed: Observed, prev: dict[str, Any] | None = None, suspend: bool = False, now: str = NOW) -> dict[str, Any]:
+    return derive_status(generation=1, suspend=suspend, names=NAMES, prev=prev or {}, observed=observed, now=now)
+
+
+def cond(status: dict[str, Any], ctype: str) -> dict[str, Any]:
+    return next(c for c in status["conditions"] if c["type"] == ctype)
+
+
+PHASES = [
+    ("no-rayjob", Observed(), "Pending"),
+    ("initializing", Observed(rayjob=rayjob("Initializing")), "Provisioning"),
+    ("running", Observed(rayjob=rayjob("Running", "RUNNING", jobId="raysubmit_1")), "Running"),
+    ("running-unknown-job-status", Observed(rayjob=rayjob("Running")), "Running"),
+    ("complete-succeeded", Observed(rayjob=rayjob("Complete", "SUCCEEDED", endTime=LATER)), "Succeeded"),
+    ("complete-failed", Observed(rayjob=rayjob("Complete", "FAILED")), "Failed"),
+    ("failed", Observed(rayjob=rayjob("Failed", "FAILED", reason="AppFailed", message="exit 1")), "Failed"),
+    ("deadline", Observed(rayjob=rayjob("Failed", reason="DeadlineExceeded", message="past 5s")), "Failed"),
+    ("validation-failed", Observed(rayjob=rayjob("ValidationFailed", message="bad spec")), "Failed"),
+    ("suspended", Observed(rayjob=rayjob("Suspended")), "Suspended"),
+    ("retrying", Observed(rayjob=rayjob("Retrying", failed=1)), "Provisioning"),
+    ("invalid-spec", Observed(spec_issues=[Issue("spec.cluster.instanceType", "unknown")]), "Failed"),
+    ("conflict", Observed(conflict="RayJob j exists"), "Failed"),
+]
+
+
+@pytest.mark.parametrize(("observed", "phase"), [p[1:] for p in PHASES], ids=[p[0] for p in PHASES])
+def test_phase(observed: Observed, phase: str) -> None:
+    assert derive(observed)["phase"] == phase
+
+
+def test_failure_reasons_are_actionable() -> None:
+    st = derive(Observed(rayjob=rayjob("Failed", reason="DeadlineExceeded", message="past 5s")))
+    assert cond(st, "Failed")["reason"] == "DeadlineExceeded"
+    assert "activeDeadlineSeconds" in cond(st, "Failed")["message"]
+    st = derive(Observed(rayjob=rayjob("Failed", "FAILED", failed=3)))
+    assert cond(st, "Failed")["reason"] == "BackoffLimitExceeded"
+    assert st["attempt"] == 3
+    st = derive(Observed(rayjob=rayjob("ValidationFailed", message="bad spec")))
+    assert cond(st, "Failed")["reason"] == "ValidationFailed"
+    assert cond(st, "Failed")["message"] == "bad spec"
+
+
+def test_unschedulable_workers_surface_the_scheduler_message() -> None:
+    msg = "0/3 nodes are available: 1 Insufficient vpc.amazonaws.com/efa, 2 node(s) didn't match selector."
+    st = derive(Observed(rayjob=rayjob("Initializing"), pods=[pod("w-0"), pod("w-2", unschedulable=msg)]))
+    assert st["phase"] == "Provisioning"
+    c = cond(st, "WorkersScheduled")
+    assert (c["status"], c["reason"]) == ("False", "Unschedulable")
+    assert "Insufficient vpc.amazonaws.com/efa" in c["message"]
+    assert "Insufficient vpc.amazonaws.com/efa" in st["message"]
+
+
+def test_image_pull_failure_is_a_condition() -> None:
+    st = derive(Observed(rayjob=rayjob("Initializing"), pods=[pod("h", "head", waiting="ImagePullBackOff")]))
+    c = cond(st, "PodsHealthy")
+    assert (c["status"], c["reason"]) == ("False", "ImagePullBackOff")
+
+
+def test_last_transition_time_changes_only_with_status() -> None:
+    first = derive(Observed(rayjob=rayjob("Initializing")))
+    again = derive(Observed(rayjob=rayjob("Initializing")), prev=first, now=LATER)
+    assert cond(again, "Running")["lastTransitionTime"] == NOW
+    assert again == first
+    running = derive(Observed(rayjob=rayjob("Running", "RUNNING")), prev=first, now=LATER)
+    assert cond(running, "Running")["lastTransitionTime"] == LATER
+
+
+def test_progress_fields_are_carried_over() -> None:
+    prev = {"training": {"step": 5, "loss": 1.5}, "network": {"transport": "socket", "healthy": False,
+                                                              "message": "fell back to sockets"}, "step": "5/10"}
+    st = derive(Observed(rayjob=rayjob("Running", "RUNNING")), prev=prev)
+    assert st["training"] == prev["training"] and st["step"] == "5/10"
+    c = cond(st, "NetworkHealthy")
+    assert c["status"] == "False" and c["reason"] == "TransportSocket"
+
+
+def test_suspend() -> None:
+    assert derive(Observed(), suspend=True)["phase"] == "Suspended"
+    assert derive(Observed(rayjob=rayjob("Suspending")), suspend=True)["message"] == "suspending"
+
+
+# ---------------------------------------------------------------------------------------- preflight
+
+
+def node(name: str, itype: str = "g6.12xlarge", gpus: int = 4, efa: int = 1, ready: bool = True) -> dict[str, Any]:
+    return {
+        "metadata": {"name": name, "labels": {"node.kubernetes.io/instance-type": itype}},
+        "status": {
+            "allocatable": {"cpu": "47810m", "memory": "186Gi", "nvidia.com/gpu": str(gpus),
+                            "vpc.amazonaws.com/efa": str(efa), "hugepages-2Mi": "10Gi"},
+            "conditions": [{"type": "Ready", "status": "True" if ready else "False"}],
+        },
+    }
+
+
+SPEC = parse_job(JobDoc().obj()).spec
+
+
+@pytest.mark.parametrize(
+    ("nodes", "fits", "reason"),
+    [
+        ([node("a"), node("b")], True, "NodesAvailable"),
+        ([node("a")], False, "InsufficientNodes"),
+        ([node("a"), node("b", ready=False)], False, "InsufficientNodes"),
+        ([node("a"), node("b", efa=0)], False, "InsufficientNodes"),
+        ([node("a", itype="p5.48xlarge"), node("b", itype="p5.48xlarge")], False, "NoMatchingNodes"),
+        ([], False, "NoMatchingNodes"),
+    ],
+    ids=["two-fit", "one-node", "not-ready", "no-efa", "wrong-type", "none"],
+)
+def test_preflight(nodes: list[dict[str, Any]], fits: bool, reason: str) -> None:
+    cap = check_capacity(SPEC, nodes)
+    assert (cap.fits, cap.reason) == (fits, reason), cap.message
+
+
+def test_preflight_message_names_the_shortage() -> None:
+    cap = check_capacity(SPEC, [node("a"), node("b", efa=0)])
+    assert "vpc.amazonaws.com/efa on 1" in cap.message
+    assert "2 worker pod(s) need 2 g6.12xlarge node(s)" in cap.message
+
+
+# ----------------------------------------------------------------------------------------- children
+
+
+def test_plan_children_is_idempotent_and_detects_foreign_objects() -> None:
+    desired = [{"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "c"}, "data": {"a": "1"}}]
+    (first,) = plan_children(desired, {"c": None}, "uid-1")
+    assert first.apply
+    applied = with_hash(desired[0])
+    applied["metadata"]["ownerReferences"] = [{"uid": "uid-1"}]
+    (again,) = plan_children(desired, {"c": applied}, "uid-1")
+    assert not again.apply and again.conflict is None
+    changed = [{**desired[0], "data": {"a": "2"}}]
+    (third,) = plan_children(changed, {"c": applied}, "uid-1")
+    assert third.apply
+    foreign = dict(applied, metadata={**applied["metadata"], "ownerReferences": [{"uid": "other"}]})
+    (fourth,) = plan_children(desired, {"c": foreign}, "uid-1")
+    assert fourth.conflict and not fourth.apply
