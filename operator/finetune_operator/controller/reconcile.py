@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -175,6 +176,8 @@ class Reconciler:
             # Record the child names before creating anything: a crash between create and record can
             # then never lead to a second, differently named child.
             self.kube.patch_status(ns, job.metadata.name, {"rayJobName": names["rayJob"], "configMapName": names["configMap"]})
+            if os.environ.get("FINETUNE_TEST_CRASH_AFTER_NAMES") == "1":
+                os._exit(137)  # test hook: die like a SIGKILL at the worst moment (see test_operator.py)
         try:
             desired = render_children(job, self.runtime_files, self.cfg)
         except SpecError as err:

@@ -1,0 +1,111 @@
+"""Run the real operator (`finetune operator`) as a subprocess against the dev cluster."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class OperatorProcess:
+    """One `finetune operator` process; `start()`/`kill()` can be called repeatedly."""
+
+    def __init__(self, kubeconfig: Path, logdir: Path, identity: str = "op-a", lease_namespace: str = "default",
+                 extra_env: dict[str, str] | None = None):
+        self.kubeconfig = kubeconfig
+        self.logdir = logdir
+        self.identity = identity
+        self.lease_namespace = lease_namespace
+        self.port = free_port()
+        self.extra_env = extra_env or {}
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.starts = 0
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, wait_ready: bool = True, env: dict[str, str] | None = None) -> OperatorProcess:
+        self.starts += 1
+        log = open(self.logdir / f"operator-{self.identity}-{self.starts}.log", "wb")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "finetune_operator.cli", "operator",
+             "--kubeconfig", str(self.kubeconfig), "--listen", "127.0.0.1", "--port", str(self.port),
+             "--progress-url", self.url, "--flush-interval", "1", "--resync-interval", "15",
+             "--lease-namespace", self.lease_namespace, "--identity", self.identity, "--log-level", "INFO"],
+            stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **self.extra_env, **(env or {})},
+            cwd=ROOT,
+        )
+        if wait_ready:
+            self.wait_ready()
+        return self
+
+    def readyz(self) -> int:
+        try:
+            with urllib.request.urlopen(f"{self.url}/readyz", timeout=2) as r:
+                return int(r.status)
+        except urllib.error.HTTPError as e:
+            return int(e.code)
+        except OSError:
+            return 0
+
+    def wait_ready(self, timeout: float = 60) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc is not None and self.proc.poll() is not None:
+                raise RuntimeError(f"operator exited with {self.proc.returncode}; see {self.logdir}")
+            if self.readyz() == 200:
+                return
+            time.sleep(0.2)
+        raise RuntimeError(f"operator not ready after {timeout}s; see {self.logdir}")
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.proc = None
+
+    def stop(self) -> None:
+        self.kill(signal.SIGTERM)
+
+    def metrics(self) -> str:
+        with urllib.request.urlopen(f"{self.url}/metrics", timeout=5) as r:
+            return r.read().decode()
+
+    def post(self, namespace: str, name: str, body: dict[str, Any], token: str | None) -> tuple[int, str]:
+        import json
+
+        req = urllib.request.Request(
+            f"{self.url}/v1/progress/{namespace}/{name}", data=json.dumps(body).encode(), method="POST",
+            headers={"Content-Type": "application/json", **({"Authorization": f"Bearer {token}"} if token else {})},
+        )
+        try:
+            with urllib.request.urlopen(req, timeout=10) as r:
+                return int(r.status), r.read().decode()
+        except urllib.error.HTTPError as e:
+            return int(e.code), e.read().decode()
+
+
+def example(name: str) -> dict[str, Any]:
+    return yaml.safe_load((ROOT / "examples" / name).read_text())  # type: ignore[no-any-return]

@@ -1,0 +1,287 @@
+"""The operator against the real control plane and the real KubeRay operator (kwok plays kubelet)."""
+
+from __future__ import annotations
+
+import copy
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from kubernetes import client
+from kubernetes.client.rest import ApiException
+
+from tests.integration.conftest import Kube, wait_for
+from tests.integration.operator_fixtures import OperatorProcess, example
+
+G, V, P = "finetune.dev", "v1alpha1", "finetunejobs"
+SEED = "qwen2.5-1.5b-g6-efa.yaml"
+
+
+@pytest.fixture(scope="module")
+def operator(control_plane: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[OperatorProcess]:
+    op = OperatorProcess(Path(control_plane.kubeconfig), tmp_path_factory.mktemp("operator-logs"))
+    op.start()
+    yield op
+    op.stop()
+
+
+def ftj(name: str, source: str = SEED, **spec_overrides: Any) -> dict[str, Any]:
+    doc = copy.deepcopy(example(source))
+    doc["metadata"] = {"name": name}
+    for path, value in spec_overrides.items():
+        node = doc["spec"]
+        *parents, leaf = path.split("__")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+    return doc
+
+
+def create(kube: Kube, ns: str, doc: dict[str, Any]) -> dict[str, Any]:
+    return kube.custom.create_namespaced_custom_object(G, V, ns, P, doc)  # type: ignore[no-any-return]
+
+
+def get(kube: Kube, ns: str, name: str) -> dict[str, Any]:
+    return kube.custom.get_namespaced_custom_object(G, V, ns, P, name)  # type: ignore[no-any-return]
+
+
+def status(kube: Kube, ns: str, name: str) -> dict[str, Any]:
+    return get(kube, ns, name).get("status") or {}
+
+
+def phase_is(kube: Kube, ns: str, name: str, *phases: str) -> Any:
+    st = status(kube, ns, name)
+    return st if st.get("phase") in phases else None
+
+
+def condition(st: dict[str, Any], ctype: str) -> dict[str, Any] | None:
+    return next((c for c in st.get("conditions") or [] if c["type"] == ctype), None)
+
+
+def rayjobs(kube: Kube, ns: str) -> list[dict[str, Any]]:
+    return kube.custom.list_namespaced_custom_object("ray.io", "v1", ns, "rayjobs")["items"]  # type: ignore[no-any-return]
+
+
+def rayclusters(kube: Kube, ns: str) -> list[dict[str, Any]]:
+    return kube.custom.list_namespaced_custom_object("ray.io", "v1", ns, "rayclusters")["items"]  # type: ignore[no-any-return]
+
+
+def worker_pods(kube: Kube, ns: str, job: str) -> list[Any]:
+    pods = kube.core.list_namespaced_pod(ns, label_selector=f"finetune.dev/job={job},ray.io/node-type=worker").items
+    return [p for p in pods if p.metadata.deletion_timestamp is None]
+
+
+def kubectl(kube: Kube, *args: str) -> str:
+    out = subprocess.run(["kubectl", "--kubeconfig", str(kube.kubeconfig), *args], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
+# ----------------------------------------------------------------------------------------------- tests
+
+
+def test_seed_example_runs_on_two_simulated_g6_nodes(kube: Kube, namespace: str, operator: OperatorProcess) -> None:
+    create(kube, namespace, ftj("seed"))
+    st = wait_for("status names recorded", lambda: status(kube, namespace, "seed").get("rayJobName"), timeout=30)
+    assert st == "seed"
+    (rj,) = wait_for("RayJob", lambda: rayjobs(kube, namespace), timeout=30)  # type: ignore[misc]
+    assert rj["metadata"]["ownerReferences"][0]["kind"] == "FinetuneJob"
+    wait_for("RayCluster from KubeRay", lambda: rayclusters(kube, namespace), timeout=60)
+    pods = wait_for("2 worker pods bound", lambda: [p for p in worker_pods(kube, namespace, "seed") if p.spec.node_name]
+                    if len([p for p in worker_pods(kube, namespace, "seed") if p.spec.node_name]) == 2 else None,
+                    timeout=90)
+    nodes = {p.spec.node_name for p in pods}  # type: ignore[attr-defined]
+    assert len(nodes) == 2, nodes
+    for n in nodes:
+        labels = kube.core.read_node(n).metadata.labels
+        assert labels["node.kubernetes.io/instance-type"] == "g6.12xlarge"
+    for p in pods:  # type: ignore[attr-defined]
+        limits = p.spec.containers[0].resources.limits
+        assert limits["nvidia.com/gpu"] == "4" and limits["vpc.amazonaws.com/efa"] == "1"
+    st = wait_for("phase Running", lambda: phase_is(kube, namespace, "seed", "Running"), timeout=120)
+    assert condition(st, "CapacityAvailable")["status"] == "True"  # type: ignore[index]
+    assert condition(st, "WorkersScheduled")["status"] == "True"  # type: ignore[index]
+    out = kubectl(kube, "get", "ftj", "-n", namespace)
+    header = out.splitlines()[0].split()
+    assert header == ["NAME", "PHASE", "STEP", "LOSS", "NETWORK", "AGE"], out
+    assert "Running" in out.splitlines()[1]
+    events = kube.core.list_namespaced_event(namespace, field_selector="involvedObject.name=seed").items
+    assert {"Running"} <= {e.reason for e in events}
+
+
+def test_three_workers_on_two_nodes_wait_then_proceed(kube: Kube, namespace: str, operator: OperatorProcess,
+                                                       gpu_node: Any) -> None:
+    create(kube, namespace, ftj("three", cluster__workers={"replicas": 3, "gpusPerWorker": 4},
+                                training__globalBatchSize=96))
+    st = wait_for("Provisioning with an unschedulable worker", lambda: (
+        (s := phase_is(kube, namespace, "three", "Provisioning")) and (c := condition(s, "WorkersScheduled"))
+        and c["status"] == "False" and s), timeout=120)
+    sched = condition(st, "WorkersScheduled")  # type: ignore[arg-type]
+    assert "Insufficient nvidia.com/gpu" in sched["message"] or "Insufficient vpc.amazonaws.com/efa" in sched["message"]
+    cap = condition(st, "CapacityAvailable")  # type: ignore[arg-type]
+    assert cap["status"] == "False" and cap["reason"] == "InsufficientNodes"
+    gpu_node()
+    wait_for("Running once a third node exists", lambda: phase_is(kube, namespace, "three", "Running"), timeout=180)
+    st = status(kube, namespace, "three")
+    assert condition(st, "CapacityAvailable")["status"] == "True"  # type: ignore[index]
+
+
+def test_deadline_exceeded_maps_to_failed(kube: Kube, namespace: str, operator: OperatorProcess) -> None:
+    # Real KubeRay behaviour: activeDeadlineSeconds passes, KubeRay fails the RayJob (DeadlineExceeded).
+    create(kube, namespace, ftj("deadline", activeDeadlineSeconds=3))
+    st = wait_for("Failed", lambda: phase_is(kube, namespace, "deadline", "Failed"), timeout=120)
+    failed = condition(st, "Failed")  # type: ignore[arg-type]
+    assert failed["reason"] == "DeadlineExceeded", failed
+    assert st["completionTime"]  # type: ignore[index]
+
+
+def test_rayjob_success_maps_to_succeeded(kube: Kube, namespace: str, operator: OperatorProcess) -> None:
+    create(kube, namespace, ftj("done"))
+    wait_for("Running", lambda: phase_is(kube, namespace, "done", "Running"), timeout=120)
+    # kwok pods run no Ray, so no Ray job can really finish here. We write the terminal status KubeRay
+    # writes when the job succeeds (jobStatus SUCCEEDED, jobDeploymentStatus Complete) to the RayJob's
+    # status subresource -- the one simulated step in this file.
+    now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    kube.custom.patch_namespaced_custom_object_status(
+        "ray.io", "v1", namespace, "rayjobs", "done",
+        {"status": {"jobStatus": "SUCCEEDED", "jobDeploymentStatus": "Complete", "endTime": now}},
+        _content_type="application/merge-patch+json",
+    )
+    st = wait_for("Succeeded", lambda: phase_is(kube, namespace, "done", "Succeeded"), timeout=60)
+    assert condition(st, "Complete")["status"] == "True"  # type: ignore[index]
+
+
+def test_suspend_and_resume(kube: Kube, namespace: str, operator: OperatorProcess) -> None:
+    create(kube, namespace, ftj("pause"))
+    wait_for("Running", lambda: phase_is(kube, namespace, "pause", "Running"), timeout=120)
+    kube.custom.patch_namespaced_custom_object(G, V, namespace, P, "pause", {"spec": {"suspend": True}},
+                                               _content_type="application/merge-patch+json")
+    wait_for("RayJob suspended", lambda: rayjobs(kube, namespace)[0]["spec"].get("suspend") is True, timeout=30)
+    wait_for("Suspended and cluster gone", lambda: phase_is(kube, namespace, "pause", "Suspended")
+             and not worker_pods(kube, namespace, "pause"), timeout=120)
+    kube.custom.patch_namespaced_custom_object(G, V, namespace, P, "pause", {"spec": {"suspend": False}},
+                                               _content_type="application/merge-patch+json")
+    wait_for("Running again", lambda: phase_is(kube, namespace, "pause", "Running"), timeout=180)
+    assert len(rayjobs(kube, namespace)) == 1
+
+
+def test_delete_leaves_nothing_behind(kube: Kube, namespace: str, operator: OperatorProcess) -> None:
+    create(kube, namespace, ftj("gone"))
+    wait_for("Running", lambda: phase_is(kube, namespace, "gone", "Running"), timeout=120)
+    kube.custom.delete_namespaced_custom_object(G, V, namespace, P, "gone")
+    wait_for("children garbage-collected", lambda: not rayjobs(kube, namespace) and not rayclusters(kube, namespace)
+             and not kube.core.list_namespaced_config_map(namespace, label_selector="finetune.dev/job=gone").items
+             and not kube.core.list_namespaced_pod(namespace, label_selector="finetune.dev/job=gone").items,
+             timeout=120)
+    assert "finetune_job_step" not in [l for l in operator.metrics().splitlines() if f'name="gone"' in l]
+
+
+def test_immutable_fields_are_rejected_mutable_ones_accepted(kube: Kube, namespace: str, operator: OperatorProcess) -> None:
+    create(kube, namespace, ftj("frozen"))
+    with pytest.raises(ApiException) as err:
+        kube.custom.patch_namespaced_custom_object(G, V, namespace, P, "frozen",
+                                                   {"spec": {"model": {"source": "Qwen/Qwen2.5-7B"}}},
+                                                   _content_type="application/merge-patch+json")
+    assert err.value.status == 422
+    assert "spec.model is immutable" in err.value.body
+    with pytest.raises(ApiException) as err:
+        kube.custom.patch_namespaced_custom_object(G, V, namespace, P, "frozen",
+                                                   {"spec": {"cluster": {"workers": {"replicas": 4}}}},
+                                                   _content_type="application/merge-patch+json")
+    assert "spec.cluster is immutable" in err.value.body
+    kube.custom.patch_namespaced_custom_object(G, V, namespace, P, "frozen", {"spec": {"activeDeadlineSeconds": 86400}},
+                                               _content_type="application/merge-patch+json")
+    wait_for("deadline propagated to the RayJob", lambda: (r := rayjobs(kube, namespace)) and
+             r[0]["spec"].get("activeDeadlineSeconds") == 86400, timeout=30)
+
+
+def test_bad_spec_is_rejected_by_the_api_server(kube: Kube, namespace: str) -> None:
+    doc = ftj("bad", training__globalBatchSize=12)
+    with pytest.raises(ApiException) as err:
+        create(kube, namespace, doc)
+    assert err.value.status == 422
+    assert "globalBatchSize must be a multiple" in err.value.body
+
+
+def test_operator_killed_mid_reconcile_makes_no_duplicates(kube: Kube, namespace: str, operator: OperatorProcess,
+                                                            control_plane: Any, tmp_path: Path) -> None:
+    operator.stop()
+    # A real SIGKILL-equivalent crash at the worst moment: right after the child names are recorded and
+    # before anything is created. The crash point is chosen with a test-only environment variable.
+    crashing = OperatorProcess(Path(control_plane.kubeconfig), tmp_path, identity="op-crash",
+                               extra_env={"FINETUNE_TEST_CRASH_AFTER_NAMES": "1"})
+    try:
+        crashing.start()
+        create(kube, namespace, ftj("crash"))
+        assert crashing.proc is not None
+        crashing.proc.wait(timeout=60)
+        assert crashing.proc.returncode == 137
+        assert status(kube, namespace, "crash").get("rayJobName") == "crash"
+        assert rayjobs(kube, namespace) == []
+    finally:
+        crashing.kill()
+    operator.start()
+    wait_for("Running after restart", lambda: phase_is(kube, namespace, "crash", "Running"), timeout=180)
+    assert [r["metadata"]["name"] for r in rayjobs(kube, namespace)] == ["crash"]
+    assert len(rayclusters(kube, namespace)) == 1
+    operator.kill()  # and once more, mid-flight with children present
+    operator.start()
+    time.sleep(3)
+    assert len(rayjobs(kube, namespace)) == 1 and len(rayclusters(kube, namespace)) == 1
+
+
+def _token(kube: Kube, namespace: str, pod: Any, audience: str) -> str:
+    req = client.AuthenticationV1TokenRequest(spec=client.V1TokenRequestSpec(
+        audiences=[audience], expiration_seconds=600,
+        bound_object_ref=client.V1BoundObjectReference(kind="Pod", api_version="v1", name=pod.metadata.name,
+                                                       uid=pod.metadata.uid)))
+    sa = pod.spec.service_account_name or "default"
+    return kube.core.create_namespaced_service_account_token(sa, namespace, req).status.token  # type: ignore[no-any-return]
+
+
+def test_progress_channel_authenticates_per_job(kube: Kube, namespace: str, operator: OperatorProcess) -> None:
+    create(kube, namespace, ftj("alpha"))
+    create(kube, namespace, ftj("beta"))
+    for job in ("alpha", "beta"):
+        wait_for(f"{job} pods", lambda job=job: worker_pods(kube, namespace, job), timeout=90)
+    alpha_pod = worker_pods(kube, namespace, "alpha")[0]
+    beta_pod = worker_pods(kube, namespace, "beta")[0]
+    # The projected token the pod gets is minted exactly like this: bound to the pod, job audience.
+    alpha_token = _token(kube, namespace, alpha_pod, f"finetune.dev/progress/{namespace}/alpha")
+    beta_token = _token(kube, namespace, beta_pod, f"finetune.dev/progress/{namespace}/beta")
+    body = {"rank": 0, "training": {"step": 7, "totalSteps": 100, "loss": 1.234, "tokensPerSecond": 5000.0},
+            "network": {"transport": "efa", "provider": "efa", "healthy": True, "message": "NET/OFI efa, 1 nic"}}
+    assert operator.post(namespace, "alpha", body, None)[0] == 401
+    assert operator.post(namespace, "alpha", body, "not-a-token")[0] == 401
+    code, text = operator.post(namespace, "alpha", body, beta_token)
+    assert code == 403, text
+    code, text = operator.post(namespace, "alpha", body, alpha_token)
+    assert code == 202, text
+    st = wait_for("loss in status", lambda: (s := status(kube, namespace, "alpha")).get("training", {}).get("loss") == 1.234
+                  and s, timeout=30)
+    assert st["step"] == "7/100" and st["network"]["transport"] == "efa"  # type: ignore[index]
+    wait_for("NetworkHealthy condition", lambda: (c := condition(status(kube, namespace, "alpha"), "NetworkHealthy"))
+             and c["status"] == "True", timeout=30)
+    out = kubectl(kube, "get", "ftj", "alpha", "-n", namespace)
+    row = out.splitlines()[1].split()
+    assert row[2] == "7/100" and row[3] == "1.234" and row[4] == "efa", out
+    metrics = operator.metrics()
+    assert f'finetune_job_loss{{name="alpha",namespace="{namespace}"}} 1.234' in metrics
+    assert status(kube, namespace, "beta").get("training") is None  # the rejected post changed nothing
+
+
+def test_standby_replica_does_not_act(kube: Kube, namespace: str, operator: OperatorProcess,
+                                      control_plane: Any, tmp_path: Path) -> None:
+    standby = OperatorProcess(Path(control_plane.kubeconfig), tmp_path, identity="op-b")
+    try:
+        standby.start(wait_ready=False)
+        time.sleep(5)
+        assert standby.proc is not None and standby.proc.poll() is None
+        assert standby.readyz() == 503  # waiting for the Lease
+        holder = client.CoordinationV1Api(kube.api_client).read_namespaced_lease("finetune-operator-leader", "default")
+        assert holder.spec.holder_identity == operator.identity
+    finally:
+        standby.stop()
