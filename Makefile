@@ -26,6 +26,7 @@ test-integration: setup control-plane
 
 crd: setup
 	.venv/bin/finetune crd > crds/finetune.dev_finetunejobs.yaml
+	.venv/bin/finetune crd --markdown > docs/api.md
 
 golden: setup
 	.venv/bin/python -m pytest -q tests/unit/test_render.py --update-golden

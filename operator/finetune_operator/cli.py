@@ -22,8 +22,9 @@ def _read(path: str) -> str:
 
 def cmd_crd(args: argparse.Namespace) -> int:
     from .api.crd import crd_yaml
+    from .api.docs import reference_markdown
 
-    sys.stdout.write(crd_yaml())
+    sys.stdout.write(reference_markdown() if args.markdown else crd_yaml())
     return 0
 
 
@@ -97,6 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("crd", help="print the FinetuneJob CustomResourceDefinition (generated from the models)")
+    p.add_argument("--markdown", action="store_true", help="print the field reference (docs/api.md) instead")
     p.set_defaults(func=cmd_crd)
 
     p = sub.add_parser("validate", help="check FinetuneJob files; one line per problem, exit 1 if any")

@@ -131,3 +131,10 @@ def test_kuberay_schema_check_can_fail(rayjob_schema: dict[str, Any]) -> None:
     rayjob["spec"]["rayClusterSpec"]["workerGroupSpecs"][0]["replicaz"] = 2
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate(rayjob, rayjob_schema)
+
+
+def test_api_reference_doc_has_not_drifted() -> None:
+    from finetune_operator.api.docs import reference_markdown
+
+    committed = (ROOT / "docs" / "api.md").read_text()
+    assert committed == reference_markdown(), "docs/api.md is stale: run `finetune crd --markdown > docs/api.md`"
