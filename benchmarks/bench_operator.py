@@ -20,15 +20,14 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from kubernetes import client, config, watch  # noqa: E402
+from finetune_operator.devcluster import DevCluster
+from kubernetes import client, config, watch
 
-from finetune_operator.devcluster import DevCluster  # noqa: E402
-from tests.integration.operator_fixtures import OperatorProcess, example  # noqa: E402
+from tests.integration.operator_fixtures import OperatorProcess, example
 
 
 def pct(values: list[float], q: float) -> float:

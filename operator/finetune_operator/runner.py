@@ -124,7 +124,7 @@ async def run(args: argparse.Namespace) -> int:
                 queue.add(ns, name)
 
     kopf_stop = asyncio.Event()
-    tasks = [
+    tasks: list[asyncio.Task[Any]] = [
         asyncio.create_task(
             kopf.operator(
                 registry=registry,
@@ -138,7 +138,7 @@ async def run(args: argparse.Namespace) -> int:
         asyncio.create_task(progress.flush_forever(), name="flush"),
         asyncio.create_task(resync(), name="resync"),
     ]
-    waiters = [asyncio.create_task(stop.wait())]
+    waiters: list[asyncio.Task[Any]] = [asyncio.create_task(stop.wait())]
     if elector:
         waiters.append(asyncio.create_task(elector.hold()))
     done, _ = await asyncio.wait(waiters + tasks, return_when=asyncio.FIRST_COMPLETED)

@@ -176,7 +176,7 @@ def test_delete_leaves_nothing_behind(kube: Kube, namespace: str, operator: Oper
              and not kube.core.list_namespaced_config_map(namespace, label_selector="finetune.dev/job=gone").items
              and not kube.core.list_namespaced_pod(namespace, label_selector="finetune.dev/job=gone").items,
              timeout=120)
-    assert "finetune_job_step" not in [l for l in operator.metrics().splitlines() if f'name="gone"' in l]
+    assert "finetune_job_step" not in [l for l in operator.metrics().splitlines() if 'name="gone"' in l]
 
 
 def test_immutable_fields_are_rejected_mutable_ones_accepted(kube: Kube, namespace: str, operator: OperatorProcess) -> None:

@@ -3,16 +3,17 @@
 from __future__ import annotations
 
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import jsonschema
 import pytest
 import yaml
-
 from finetune_operator.api.crd import CRD_FILENAME, build_crd, crd_yaml
 from finetune_operator.api.validation import parse_job
 from finetune_operator.render.rayjob import render_children
+
 from tests.unit.test_render import CFG, EXAMPLES, FAKE_RUNTIME
 
 ROOT = Path(__file__).resolve().parents[2]

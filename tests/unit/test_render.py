@@ -7,10 +7,10 @@ from typing import Any
 
 import pytest
 import yaml
-
 from finetune_operator.api.validation import SpecError, parse_job
 from finetune_operator.render.config import RenderConfig, progress_audience
 from finetune_operator.render.rayjob import render_children, render_rayjob, to_yaml
+
 from tests.builders import JobDoc
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -5,11 +5,11 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-
 from finetune_operator.api.validation import Issue, parse_job
 from finetune_operator.controller.preflight import check_capacity
 from finetune_operator.controller.reconcile import plan_children, with_hash
 from finetune_operator.controller.status import Observed, derive_status
+
 from tests.builders import JobDoc
 
 NAMES = {"rayJob": "j", "configMap": "j-config", "runtimeConfigMap": "j-runtime"}

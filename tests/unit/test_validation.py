@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from finetune_operator.api.validation import SpecError, check, load_documents
 
-from finetune_operator.api.validation import check, load_documents, SpecError
 from tests.builders import JobDoc
 
 BAD = [

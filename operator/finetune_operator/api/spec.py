@@ -420,10 +420,10 @@ class ClusterSpec(SpecModel):
         default_factory=list,
         description="Extra tolerations for all Ray pods (GPU and EFA taints are tolerated already).",
         max_length=32,
-        json_schema_extra={"items": _OBJ},
+        json_schema_extra={"items": _OBJ},  # type: ignore[dict-item]
     )
     affinity: dict[str, Any] | None = Field(
-        default=None, description="Affinity for the worker pods (core/v1 Affinity).", json_schema_extra=_OBJ
+        default=None, description="Affinity for the worker pods (core/v1 Affinity).", json_schema_extra=_OBJ,  # type: ignore[arg-type]
     )
     priority_class_name: str | None = Field(default=None, description="PriorityClass for all Ray pods.", max_length=253)
     service_account_name: str | None = Field(

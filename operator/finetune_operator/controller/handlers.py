@@ -25,23 +25,24 @@ def build_registry(queue: WorkQueue, reconciler: Reconciler, progress: ProgressS
     last_node_sweep = [0.0]
 
     @kopf.on.event(s.GROUP, s.VERSION, s.PLURAL, registry=registry)
-    def finetunejob(event: dict[str, Any], namespace: str, name: str, **_: Any) -> None:
-        if event.get("type") == "DELETED":
+    def finetunejob(**kw: Any) -> None:
+        namespace, name = kw["namespace"], kw["name"]
+        if kw["event"].get("type") == "DELETED":
             reconciler.forget(namespace, name)
             progress.forget(namespace, name)
         else:
             queue.add(namespace, name)
 
     @kopf.on.event("ray.io", "v1", "rayjobs", labels={JOB_LABEL: kopf.PRESENT}, registry=registry)
-    def rayjob(labels: dict[str, str], namespace: str, **_: Any) -> None:
-        queue.add(namespace, labels[JOB_LABEL])
+    def rayjob(**kw: Any) -> None:
+        queue.add(kw["namespace"], kw["labels"][JOB_LABEL])
 
     @kopf.on.event("", "v1", "pods", labels={JOB_LABEL: kopf.PRESENT}, registry=registry)
-    def pod(labels: dict[str, str], namespace: str, **_: Any) -> None:
-        queue.add(namespace, labels[JOB_LABEL])
+    def pod(**kw: Any) -> None:
+        queue.add(kw["namespace"], kw["labels"][JOB_LABEL])
 
     @kopf.on.event("", "v1", "nodes", registry=registry)
-    def node(**_: Any) -> None:
+    def node(**kw: Any) -> None:
         # New capacity may let waiting jobs proceed; heartbeats make this chatty, so sweep at most
         # once per debounce period, and only jobs that are not running or finished.
         now = time.monotonic()

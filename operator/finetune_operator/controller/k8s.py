@@ -121,7 +121,7 @@ class Kube:
                 return None
             raise
 
-    def list(self, gvr: tuple[str, str, str], namespace: str | None = None, selector: str | None = None) -> list[Obj]:
+    def list_objects(self, gvr: tuple[str, str, str], namespace: str | None = None, selector: str | None = None) -> list[Obj]:
         query = {"labelSelector": selector} if selector else None
         return list(self.request("GET", _path(gvr, namespace), query=query).get("items") or [])
 

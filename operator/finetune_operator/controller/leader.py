@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from .k8s import LEASES, ApiError, Kube
@@ -19,7 +19,7 @@ _FMT = "%Y-%m-%dT%H:%M:%S.%fZ"
 
 
 def _now() -> datetime:
-    return datetime.now(timezone.utc)
+    return datetime.now(UTC)
 
 
 def _parse(ts: str | None) -> datetime | None:
@@ -27,7 +27,7 @@ def _parse(ts: str | None) -> datetime | None:
         return None
     for fmt in (_FMT, "%Y-%m-%dT%H:%M:%SZ"):
         try:
-            return datetime.strptime(ts, fmt).replace(tzinfo=timezone.utc)
+            return datetime.strptime(ts, fmt).replace(tzinfo=UTC)
         except ValueError:
             continue
     return None

@@ -10,10 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from .. import instance_types as it
 from ..api import quantity
 from ..api.spec import FinetuneJobSpec
 from ..api.validation import worker_resources
-from .. import instance_types as it
 from ..render.rayjob import EFA, GPU, HUGEPAGES, INSTANCE_LABEL
 
 

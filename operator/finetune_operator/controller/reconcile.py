@@ -14,7 +14,7 @@ import os
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
 from ..api import spec as s
@@ -34,7 +34,7 @@ log = logging.getLogger("finetune.reconcile")
 
 
 def utcnow() -> str:
-    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def render_hash(obj: Obj) -> str:
@@ -144,7 +144,7 @@ class Reconciler:
                 self._ensure_children(job, prev, names, observed)
 
         if job is not None and observed.rayjob is not None:
-            observed.pods = self.kube.list(PODS, namespace, f"{JOB_LABEL}={name}")
+            observed.pods = self.kube.list_objects(PODS, namespace, f"{JOB_LABEL}={name}")
             if prev.get("phase") not in TERMINAL:
                 observed.capacity = self._capacity(job)
         elif job is not None and not observed.conflict:
@@ -161,13 +161,13 @@ class Reconciler:
         if prev.get("phase") in TERMINAL and new.get("phase") not in TERMINAL and observed.rayjob is None:
             new = {**prev, "observedGeneration": meta.get("generation")}  # finished and cleaned up: keep the verdict
         self._write_status(body, prev, new)
-        phase = new.get("phase")
+        phase = str(new.get("phase"))
         self.phases[(namespace, name)] = phase
         self.metrics.set_phase(namespace, name, phase)
-        return phase  # type: ignore[no-any-return]
+        return phase
 
     def _capacity(self, job: s.FinetuneJob) -> Any:
-        nodes = self.kube.list(NODES, None, f"node.kubernetes.io/instance-type={job.spec.cluster.instance_type}")
+        nodes = self.kube.list_objects(NODES, None, f"node.kubernetes.io/instance-type={job.spec.cluster.instance_type}")
         return check_capacity(job.spec, nodes)
 
     def _ensure_children(self, job: s.FinetuneJob, prev: Obj, names: dict[str, str], observed: Observed) -> None:

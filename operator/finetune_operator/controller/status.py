@@ -51,7 +51,7 @@ def set_condition(conds: list[Obj], ctype: str, status: str, reason: str, messag
             if gen is not None:
                 c["observedGeneration"] = gen
             return
-    cond = {"type": ctype, "status": status, "reason": reason, "message": message, "lastTransitionTime": now}
+    cond: Obj = {"type": ctype, "status": status, "reason": reason, "message": message, "lastTransitionTime": now}
     if gen is not None:
         cond["observedGeneration"] = gen
     conds.append(cond)

@@ -256,9 +256,9 @@ def _worker(job: s.FinetuneJob, runtime_files: Mapping[str, str], cfg: RenderCon
     assert inst is not None  # fit_issues ran first
     res = worker_resources(spec)
     assert res is not None
-    cpu, mem_gib, huge_gib, shm_gib = res
+    cpu, mem_gib, _, shm_gib = res
     w = spec.cluster.workers
-    resources: dict[str, str] = {"cpu": spec.cluster.workers.cpu or str(inst.default_worker_cpu), "memory": w.memory or fmt_gi(mem_gib)}
+    resources: dict[str, str] = {"cpu": w.cpu or f"{cpu:g}", "memory": w.memory or fmt_gi(mem_gib)}
     if w.gpus_per_worker:
         resources[GPU] = str(w.gpus_per_worker)
     if spec.network.efa:
