@@ -22,7 +22,10 @@ FAKE_RUNTIME = {"finetune_training/__init__.py": "# runtime\n", "finetune_operat
 CFG = RenderConfig(progress_url="http://finetune-operator.finetune-system.svc:8080")
 
 
-def rayjob_for(doc: dict[str, Any], cfg: RenderConfig = RenderConfig()) -> dict[str, Any]:
+NO_PROGRESS = RenderConfig()
+
+
+def rayjob_for(doc: dict[str, Any], cfg: RenderConfig = NO_PROGRESS) -> dict[str, Any]:
     return render_rayjob(parse_job(doc), FAKE_RUNTIME, cfg)
 
 
