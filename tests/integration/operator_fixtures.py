@@ -107,5 +107,30 @@ class OperatorProcess:
             return int(e.code), e.read().decode()
 
 
+def service_account_kubeconfig(admin: Path, out: Path) -> Path:
+    """Install deploy/namespace.yaml + deploy/rbac.yaml and return a kubeconfig that authenticates as the
+    operator's ServiceAccount, so the tests prove the shipped least-privilege RBAC is sufficient."""
+
+    def kubectl(*args: str) -> str:
+        res = subprocess.run(["kubectl", "--kubeconfig", str(admin), *args], capture_output=True, text=True,
+                             timeout=60, check=False)
+        if res.returncode != 0:
+            raise RuntimeError(f"kubectl {' '.join(args)}: {res.stderr}")
+        return res.stdout
+
+    kubectl("apply", "-f", str(ROOT / "deploy" / "namespace.yaml"), "-f", str(ROOT / "deploy" / "rbac.yaml"))
+    token = kubectl("create", "token", "finetune-operator", "-n", "finetune-system", "--duration=6h").strip()
+    cfg = yaml.safe_load(admin.read_text())
+    cluster = cfg["clusters"][0]
+    out.write_text(yaml.safe_dump({
+        "apiVersion": "v1", "kind": "Config",
+        "clusters": [cluster],
+        "users": [{"name": "finetune-operator", "user": {"token": token}}],
+        "contexts": [{"name": "operator", "context": {"cluster": cluster["name"], "user": "finetune-operator"}}],
+        "current-context": "operator",
+    }))
+    return out
+
+
 def example(name: str) -> dict[str, Any]:
     return yaml.safe_load((ROOT / "examples" / name).read_text())  # type: ignore[no-any-return]

@@ -14,15 +14,22 @@ from kubernetes import client
 from kubernetes.client.rest import ApiException
 
 from tests.integration.conftest import Kube, wait_for
-from tests.integration.operator_fixtures import OperatorProcess, example
+from tests.integration.operator_fixtures import OperatorProcess, example, service_account_kubeconfig
 
 G, V, P = "finetune.dev", "v1alpha1", "finetunejobs"
 SEED = "qwen2.5-1.5b-g6-efa.yaml"
+LEASE_NS = "finetune-system"
 
 
 @pytest.fixture(scope="module")
-def operator(control_plane: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[OperatorProcess]:
-    op = OperatorProcess(Path(control_plane.kubeconfig), tmp_path_factory.mktemp("operator-logs"))
+def operator_kubeconfig(control_plane: Any, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The operator runs as its ServiceAccount with deploy/rbac.yaml: every test below also checks the RBAC."""
+    return service_account_kubeconfig(Path(control_plane.kubeconfig), tmp_path_factory.mktemp("sa") / "kubeconfig")
+
+
+@pytest.fixture(scope="module")
+def operator(operator_kubeconfig: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[OperatorProcess]:
+    op = OperatorProcess(operator_kubeconfig, tmp_path_factory.mktemp("operator-logs"), lease_namespace=LEASE_NS)
     op.start()
     yield op
     op.stop()
@@ -206,11 +213,11 @@ def test_bad_spec_is_rejected_by_the_api_server(kube: Kube, namespace: str) -> N
 
 
 def test_operator_killed_mid_reconcile_makes_no_duplicates(kube: Kube, namespace: str, operator: OperatorProcess,
-                                                            control_plane: Any, tmp_path: Path) -> None:
+                                                            operator_kubeconfig: Path, tmp_path: Path) -> None:
     operator.stop()
     # A real SIGKILL-equivalent crash at the worst moment: right after the child names are recorded and
     # before anything is created. The crash point is chosen with a test-only environment variable.
-    crashing = OperatorProcess(Path(control_plane.kubeconfig), tmp_path, identity="op-crash",
+    crashing = OperatorProcess(operator_kubeconfig, tmp_path, identity="op-crash", lease_namespace=LEASE_NS,
                                extra_env={"FINETUNE_TEST_CRASH_AFTER_NAMES": "1"})
     try:
         crashing.start()
@@ -278,14 +285,14 @@ def test_progress_channel_authenticates_per_job(kube: Kube, namespace: str, oper
 
 
 def test_standby_replica_does_not_act(kube: Kube, namespace: str, operator: OperatorProcess,
-                                      control_plane: Any, tmp_path: Path) -> None:
-    standby = OperatorProcess(Path(control_plane.kubeconfig), tmp_path, identity="op-b")
+                                      operator_kubeconfig: Path, tmp_path: Path) -> None:
+    standby = OperatorProcess(operator_kubeconfig, tmp_path, identity="op-b", lease_namespace=LEASE_NS)
     try:
         standby.start(wait_ready=False)
         time.sleep(5)
         assert standby.proc is not None and standby.proc.poll() is None
         assert standby.readyz() == 503  # waiting for the Lease
-        holder = client.CoordinationV1Api(kube.api_client).read_namespaced_lease("finetune-operator-leader", "default")
+        holder = client.CoordinationV1Api(kube.api_client).read_namespaced_lease("finetune-operator-leader", LEASE_NS)
         assert holder.spec.holder_identity == operator.identity
     finally:
         standby.stop()
