@@ -16,7 +16,9 @@ import argparse
 import logging
 import os
 import shutil
+import signal
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -128,6 +130,8 @@ def run_local(job: Any, storage: str, *, fresh: bool = False, max_failures: int 
     print(f"finetune run {job.metadata.name}: {workers} {'GPU' if gpus else 'CPU'} worker(s), "
           f"model {spec.model.source}, data {spec.dataset.source}", file=out)
     print(f"storage: {storage}", file=out)
+    for d in remove_partial_checkpoints(run_dir):
+        print(f"removed partial checkpoint {d}", file=out)
     hit = ckpt.latest(run_dir) if spec.training.resume == Resume.auto else None
     if hit:
         print(f"resuming from step {hit[0]} ({hit[1]})", file=out)
@@ -174,13 +178,14 @@ def run_local(job: Any, storage: str, *, fresh: bool = False, max_failures: int 
                             progress_interval=0.5)
     code = 0
     try:
-        result = trainer.fit()
+        result = _fit_interruptibly(trainer)
         latest = seen.get("latest")
         bar.finish()
         training = latest.training if latest and latest.training else None
         status = summary(Phase.succeeded, f"exported to {storage}/final", result.metrics,
                          training=training, network=seen.get("network"))
     except KeyboardInterrupt:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not break the cleanup
         bar.finish()
         last = ckpt.latest(run_dir)
         where = f"step {last[0]}" if last else "step 0 (no checkpoint yet)"
@@ -195,12 +200,49 @@ def run_local(job: Any, storage: str, *, fresh: bool = False, max_failures: int 
                          network=seen.get("network"))
         code = 1
     finally:
-        server.close()
         ray.shutdown()
+        server.close()
     if status is not None:
         print(status_yaml(status), file=out, end="")
         print(f"# {time.monotonic() - started:.0f}s", file=out)
     return code
+
+
+def _fit_interruptibly(trainer: Any) -> Any:
+    """`trainer.fit()` in a helper thread, so Ctrl-C reaches us as KeyboardInterrupt.
+
+    (Ray Train installs its own SIGINT handler when fit() runs on the main thread; it aborts the run and
+    may `sys.exit(0)`, which would hide the interruption from the user.) On Ctrl-C the caller shuts Ray
+    down, which stops the workers; complete checkpoints stay, a partial one is ignored on resume.
+    """
+    box: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            box["result"] = trainer.fit()
+        except BaseException as e:  # noqa: BLE001 - re-raised in the main thread
+            box["error"] = e
+
+    thread = threading.Thread(target=target, name="ray-train-fit", daemon=True)
+    thread.start()
+    while thread.is_alive():
+        thread.join(0.5)
+    if "error" in box:
+        raise box["error"]
+    return box["result"]
+
+
+def remove_partial_checkpoints(run_dir: Path) -> list[Path]:
+    """Delete checkpoint directories an interrupted run left half-written (local storage only)."""
+    from . import checkpoint as ckpt
+
+    removed = []
+    if run_dir.is_dir():
+        for d in run_dir.glob("checkpoint-step-*"):
+            if d.is_dir() and not ckpt.is_complete(d):
+                shutil.rmtree(d, ignore_errors=True)
+                removed.append(d)
+    return removed
 
 
 def main(argv: list[str] | None = None) -> int:

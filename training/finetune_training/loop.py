@@ -145,28 +145,39 @@ class Trainer:
     # ----------------------------------------------------------------------------------- resume
 
     def resume(self, ray_checkpoint: Any | None) -> int:
-        """Load the newest checkpoint (Ray's, else the newest complete one in storage); returns the step."""
-        source = None
+        """Load the newest checkpoint and return its step.
+
+        Candidates: Ray's (`ray.train.get_checkpoint()`: after a worker-group restart, or a rerun/retry
+        with the same run directory) and, with resume: auto, the newest complete checkpoint in storage.
+        The newer wins: Ray registers a checkpoint asynchronously, so a run killed right after writing one
+        can leave it complete on storage but not yet in Ray's snapshot.
+        """
+        candidates: list[tuple[int, str, Any]] = []
         if ray_checkpoint is not None:
             with ray_checkpoint.as_directory() as d:
                 if ckpt.is_complete(d):
-                    state = ckpt.load(d, self.model, self.optimizer)
-                    source = f"Ray checkpoint {ray_checkpoint.path}"
-        if source is None and self.spec.training.resume == Resume.auto:
+                    candidates.append((int(ckpt.read_state(d)["step"]), "ray", ray_checkpoint))
+        if self.spec.training.resume == Resume.auto:
             hit = ckpt.latest_uri(self.cfg.run_dir)
             if hit is not None:
-                step, where = hit
-                local = where
-                if where.startswith("s3://"):
-                    from .modelio import default_cache_dir
-                    from .storage import download_prefix
-
-                    local = str(download_prefix(where, Path(self.env.cache_dir or default_cache_dir()) / "ckpt"))
-                state = ckpt.load(local, self.model, self.optimizer)
-                source = where
-        if source is None:
+                candidates.append((hit[0], "storage", hit[1]))
+        if not candidates:
             self.say("starting at step 0")
             return 0
+        step, kind, where = max(candidates, key=lambda c: (c[0], c[1] == "ray"))
+        if kind == "ray":
+            with where.as_directory() as d:
+                state = ckpt.load(d, self.model, self.optimizer)
+            source = f"Ray checkpoint {where.path}"
+        else:
+            local = where
+            if where.startswith("s3://"):
+                from .modelio import default_cache_dir
+                from .storage import download_prefix
+
+                local = str(download_prefix(where, Path(self.env.cache_dir or default_cache_dir()) / "ckpt"))
+            state = ckpt.load(local, self.model, self.optimizer)
+            source = where
         self.scheduler.load_state_dict(state["scheduler"])
         self.step = int(state["step"])
         self.eval_loss = state.get("eval_loss")
