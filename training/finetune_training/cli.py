@@ -165,6 +165,8 @@ def run_local(job: Any, storage: str, *, fresh: bool = False, max_failures: int 
         "FINETUNE_REQUIRE_EFA": "1" if spec.network.require_efa else "0",
         "PYTHONWARNINGS": "ignore",
     }
+    # Other FINETUNE_* settings of this shell (cache dir, eval cap, fault injection) reach the workers too.
+    env.update({k: v for k, v in os.environ.items() if k.startswith("FINETUNE_") and k not in env})
     import ray
 
     if not verbose:

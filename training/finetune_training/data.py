@@ -32,10 +32,10 @@ from finetune_operator.api.storage import is_remote, resolve_in_pod
 
 IGNORE = -100
 FILE_SUFFIXES = (".jsonl", ".json", ".parquet")
-FALLBACK_CHAT_TEMPLATE = (
-    "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}"
-    "{% if m['role'] == 'assistant' %}{{ eos_token }}{% endif %}\n{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+FALLBACK_CHAT_TEMPLATE = (  # newlines as expressions: transformers renders with trim_blocks
+    "{% for m in messages %}{{ '<|' + m['role'] + '|>\\n' + m['content'] }}"
+    "{% if m['role'] == 'assistant' %}{{ eos_token }}{% endif %}{{ '\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
 )
 
 

@@ -83,6 +83,7 @@ class Trainer:
         self.last_checkpoint: str | None = None
         self.last_checkpoint_step: int | None = None
         self.last: TrainingProgress | None = None
+        self.resumed_from: list[int] = []
 
     # ------------------------------------------------------------------------------------ setup
 
@@ -183,6 +184,7 @@ class Trainer:
         self.eval_loss = state.get("eval_loss")
         self.last_checkpoint = state.get("uri")
         self.last_checkpoint_step = self.step
+        self.resumed_from = [*state.get("resumed_from", []), self.step]
         self.say(f"resuming from step {self.step} ({source})")
         self.progress.publish(ProgressReport(phase="Starting", message=f"resuming from step {self.step}"))
         return self.step
@@ -271,6 +273,7 @@ class Trainer:
             "world_size": self.world,
             "scheduler": self.scheduler.state_dict(),
             "eval_loss": self.eval_loss,
+            "resumed_from": self.resumed_from,
             "uri": self.checkpoint_uri(self.step),
             "training": self.last.wire() if self.last else None,
             "network": self.network.wire() if self.network else None,
@@ -360,6 +363,7 @@ class Trainer:
         while self.step < self.total:
             m = self.train_step()
             tput.step(tokens_per_step)
+            self._maybe_crash()
             if self.step % t.eval_interval_steps == 0 and self.step < self.total:
                 self.evaluate()
             self.last = self.progress_snapshot(m, tput)
@@ -379,6 +383,23 @@ class Trainer:
         self.progress.publish(ProgressReport(phase="Done", training=self.last, network=self.network,
                                              message=f"exported to {final}"))
         return {"final": final, "training": self.last.wire(), "network": self.network.wire() if self.network else {}}
+
+    def _maybe_crash(self) -> None:
+        """Fault injection for tests: `FINETUNE_CRASH_AT_STEP=N` kills rank 1 (or 0) once after step N.
+
+        A real process death (os._exit), so Ray Train's failure handling and the resume path are
+        exercised for real; a marker file in the run directory makes it happen only once.
+        """
+        at = os.environ.get("FINETUNE_CRASH_AT_STEP")
+        if not at or int(at) != self.step or self.rank != min(1, self.world - 1):
+            return
+        marker = Path(self.cfg.run_dir) / f".crashed-at-step-{self.step}"
+        if self.cfg.run_dir.startswith("s3://") or marker.exists():
+            return
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        marker.write_text("FINETUNE_CRASH_AT_STEP\n")
+        print(f"FINETUNE_CRASH_AT_STEP: rank {self.rank} exits after step {self.step}", flush=True)
+        os._exit(17)
 
     def close(self) -> None:
         self.progress.close()

@@ -66,6 +66,14 @@ def load_dtype(dtype: DType, precision: Precision, on_gpu: bool) -> Any:
     }[dtype]
 
 
+def _dtype_kw(torch_dtype: Any) -> dict[str, Any]:
+    """transformers >= 4.56 takes `dtype=`; older releases (possibly in the DLC image) `torch_dtype=`."""
+    import transformers
+
+    major, minor = (int(x) for x in transformers.__version__.split(".")[:2])
+    return {"dtype": torch_dtype} if (major, minor) >= (4, 56) else {"torch_dtype": torch_dtype}
+
+
 def _hub_kwargs(spec: ModelSpec, local: bool) -> dict[str, Any]:
     kw: dict[str, Any] = {"trust_remote_code": spec.trust_remote_code}
     if not local:
@@ -92,7 +100,7 @@ def load_model(spec: ModelSpec, torch_dtype: Any, cache_dir: str | Path | None =
     from transformers import AutoModelForCausalLM
 
     path, local = resolve_source(spec.source, cache_dir)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, **_hub_kwargs(spec, local))
+    model = AutoModelForCausalLM.from_pretrained(path, **_dtype_kw(torch_dtype), **_hub_kwargs(spec, local))
     model.config.use_cache = False
     return model
 
@@ -110,7 +118,7 @@ def export_hf(full_state_dict: dict[str, Any], config: Any, tokenizer: Any, out_
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        model = AutoModelForCausalLM.from_config(config, **_dtype_kw(dtype))
     sd = {k: v.to(dtype) if v.is_floating_point() else v for k, v in full_state_dict.items()}
     model.load_state_dict(sd, strict=False, assign=True)
     if getattr(config, "tie_word_embeddings", False):

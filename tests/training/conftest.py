@@ -1,0 +1,63 @@
+"""Shared builders for the training-runtime tests: a tiny Qwen2 model saved with save_pretrained."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+TEXTS = [f"Question: What is {a} plus {b}?\nAnswer: {a} + {b} = {a + b}" for a in range(10, 40) for b in (11, 57)]
+
+
+def write_jsonl(path: Path, records: list[dict[str, Any]]) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from finetune_training.tinymodel import write_tiny_model
+
+    out = tmp_path_factory.mktemp("tiny-qwen2")
+    return write_tiny_model(out, TEXTS + ["You add numbers."], vocab_size=300, hidden=32, layers=2, heads=2,
+                            kv_heads=1, intermediate=64, max_positions=256)
+
+
+@pytest.fixture(scope="session")
+def tokenizer(tiny_model_dir: Path) -> Any:
+    from finetune_operator.api.spec import ModelSpec
+    from finetune_training.modelio import load_tokenizer
+
+    return load_tokenizer(ModelSpec(source=str(tiny_model_dir)))
+
+
+def job_doc(model_dir: Path, data: Path, storage: Path, **training: Any) -> dict[str, Any]:
+    """A FinetuneJob document for a 2-worker CPU run (JobBuilder-style: override what a test needs)."""
+    t: dict[str, Any] = {
+        "maxSteps": 6, "learningRate": 0.003, "warmupRatio": 0.0, "globalBatchSize": 4, "microBatchSize": 1,
+        "sequenceLength": 64, "evalIntervalSteps": 3,
+        "fsdp": {"shardingStrategy": "full", "activationCheckpointing": False},
+        "checkpoint": {"intervalSteps": 2, "keep": 2, "storageUri": str(storage)},
+    }
+    t.update(training)
+    return {
+        "apiVersion": "finetune.dev/v1alpha1", "kind": "FinetuneJob", "metadata": {"name": "tjob"},
+        "spec": {
+            "model": {"source": str(model_dir)},
+            "dataset": {"source": str(data), "format": "promptCompletion", "evalFraction": 0.1},
+            "training": t,
+            "cluster": {"instanceType": "m5.2xlarge", "workers": {"replicas": 2, "gpusPerWorker": 0}},
+            "network": {"efa": False},
+        },
+    }
+
+
+def prompt_completion_records(n: int = 120) -> list[dict[str, str]]:
+    out = []
+    for i in range(n):
+        a, b = 10 + i % 50, 20 + (i * 7) % 60
+        out.append({"prompt": f"Question: What is {a} plus {b}?\nAnswer: ", "completion": f"{a} + {b} = {a + b}"})
+    return out
