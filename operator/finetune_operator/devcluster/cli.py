@@ -84,8 +84,13 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Standalone entry point: ``python -m finetune_operator.devcluster.cli up`` (same as
+    ``finetune dev-cluster up``)."""
     parser = argparse.ArgumentParser(prog="finetune")
     register(parser.add_subparsers(dest="command", required=True))
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] != ["dev-cluster"]:
+        argv.insert(0, "dev-cluster")
     args = parser.parse_args(argv)
     return int(args.func(args))
 

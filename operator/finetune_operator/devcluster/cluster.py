@@ -104,6 +104,14 @@ def _tail(path: Path, lines: int = 30) -> str:
         return "(no log)"
 
 
+def _status_message(e: urllib.error.HTTPError) -> str:
+    body = e.read().decode(errors="replace")
+    try:
+        return str(json.loads(body)["message"])
+    except (ValueError, KeyError):
+        return body or str(e)
+
+
 class _Api:
     """Just enough REST for bootstrapping (CRDs, nodes, readiness); tests use the kubernetes client."""
 
@@ -244,6 +252,9 @@ class DevCluster:
             str(bins["kube-apiserver"]),
             f"--etcd-servers={etcd_url}",
             "--bind-address=127.0.0.1", "--advertise-address=127.0.0.1",
+            # 1.37 refuses a loopback advertise address for the endpoints of the `kubernetes` Service;
+            # nothing in the dev cluster reaches the apiserver through that Service.
+            "--endpoint-reconciler-type=none",
             f"--secure-port={ports['apiserver']}",
             f"--cert-dir={self.workdir / 'certs'}",
             f"--tls-cert-file={keys.serving_crt}", f"--tls-private-key-file={keys.serving_key}",
@@ -430,7 +441,8 @@ class DevCluster:
                 api.request("POST", base, doc, timeout=120)
             except urllib.error.HTTPError as e:
                 if e.code != 409:
-                    raise DevClusterError(f"creating CRD {doc['metadata']['name']}: {e.read().decode()}") from e
+                    raise DevClusterError(
+                        f"the apiserver rejected CRD {doc['metadata']['name']}: {_status_message(e)}") from None
                 q = urllib.parse.urlencode({"fieldManager": FIELD_MANAGER, "force": "true"})
                 api.request("PATCH", f"{base}/{doc['metadata']['name']}?{q}", doc,
                             content_type="application/apply-patch+yaml", timeout=120)

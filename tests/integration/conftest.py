@@ -1,0 +1,183 @@
+"""Fixtures for tests against the real local control plane (``finetune_operator.devcluster``).
+
+- ``control_plane`` (session): one :class:`DevCluster` per test session — etcd, kube-apiserver,
+  kube-controller-manager, kube-scheduler, the KubeRay operator, kwok with 2 g6.12xlarge GPU/EFA nodes
+  (``gpu-node-0``, ``gpu-node-1``) and one m5.2xlarge (``cpu-node-0``). Stopped at session end, also after
+  failures; components die with the test process if it is killed. Logs: ``<workdir>/logs/``, named in
+  the report of every failed test and at the end of the run.
+- ``kube`` (session): kubernetes Python clients bound to its admin kubeconfig.
+- ``namespace`` (function): a fresh namespace (with its ``default`` ServiceAccount), deleted afterwards.
+- ``gpu_node`` (function): ``gpu_node()`` adds a simulated GPU node, removed after the test.
+
+Missing binaries are built once before the first test runs (outside any test timeout); CI builds them
+beforehand with ``scripts/build-control-plane``. ``FINETUNE_DEVCLUSTER_KEEP=1`` leaves the cluster
+running after the session (``finetune dev-cluster down --workdir ...`` stops it).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from kubernetes import client, config
+from kubernetes.client.rest import ApiException
+
+from finetune_operator.devcluster import DevCluster, build
+
+_CLUSTER: DevCluster | None = None
+
+
+@dataclass
+class Kube:
+    """Typed kubernetes clients for the dev cluster (all share one ApiClient)."""
+
+    kubeconfig: Path
+    api_client: client.ApiClient
+    core: client.CoreV1Api
+    apps: client.AppsV1Api
+    batch: client.BatchV1Api
+    custom: client.CustomObjectsApi
+    apiext: client.ApiextensionsV1Api
+    auth: client.AuthenticationV1Api
+    rbac: client.RbacAuthorizationV1Api
+
+
+def wait_for(what: str, check: Callable[[], object], timeout: float = 60, interval: float = 0.25) -> object:
+    """Poll ``check`` until it returns something truthy; fail with ``what`` and the last value."""
+    deadline = time.monotonic() + timeout
+    last: object = None
+    while True:
+        last = check()
+        if last:
+            return last
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout:.0f}s waiting for {what}; last: {last!r}")
+        time.sleep(interval)
+
+
+def _uses_cluster(item: pytest.Item) -> bool:
+    return "control_plane" in getattr(item, "fixturenames", ())
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    here = Path(__file__).parent
+    for item in items:
+        if Path(str(item.fspath)).is_relative_to(here):
+            item.add_marker(pytest.mark.integration)
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    # Build before any test starts, so a cold build (minutes) never counts against a test's timeout.
+    if session.config.option.collectonly or not any(_uses_cluster(i) for i in session.items):
+        return
+    missing = build.missing()
+    if missing:
+        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+        say = reporter.write_line if reporter else print
+        say(f"dev cluster: building {', '.join(missing)} (cached in {build.cache_dir() / 'bin'})")
+        build.build(missing, log=say)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    outcome = yield
+    report = outcome.get_result()
+    if report.failed and _CLUSTER is not None and _uses_cluster(item):
+        report.sections.append(("dev cluster", f"component logs: {_CLUSTER.logs_dir}"))
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    if _CLUSTER is not None and (terminalreporter.stats.get("failed") or terminalreporter.stats.get("error")):
+        terminalreporter.write_line(f"dev cluster component logs: {_CLUSTER.logs_dir}")
+
+
+@pytest.fixture(scope="session")
+def control_plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DevCluster]:
+    global _CLUSTER
+    keep = os.environ.get("FINETUNE_DEVCLUSTER_KEEP") == "1"
+    cluster = DevCluster(tmp_path_factory.mktemp("dev-cluster"), nodes=2, die_with_parent=not keep)
+    _CLUSTER = cluster
+    try:
+        cluster.up()
+        yield cluster
+    finally:
+        if not keep:
+            cluster.down()
+
+
+@pytest.fixture(scope="session")
+def kube(control_plane: DevCluster) -> Kube:
+    api = config.new_client_from_config(config_file=str(control_plane.kubeconfig))
+    return Kube(
+        kubeconfig=control_plane.kubeconfig,
+        api_client=api,
+        core=client.CoreV1Api(api),
+        apps=client.AppsV1Api(api),
+        batch=client.BatchV1Api(api),
+        custom=client.CustomObjectsApi(api),
+        apiext=client.ApiextensionsV1Api(api),
+        auth=client.AuthenticationV1Api(api),
+        rbac=client.RbacAuthorizationV1Api(api),
+    )
+
+
+@pytest.fixture
+def namespace(kube: Kube, request: pytest.FixtureRequest) -> Iterator[str]:
+    slug = re.sub(r"[^a-z0-9]+", "-", request.node.name.lower()).strip("-")[:40].strip("-")
+    name = f"t-{slug}-{uuid.uuid4().hex[:6]}"
+    kube.core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=name)))
+
+    def default_sa() -> bool:
+        try:
+            kube.core.read_namespaced_service_account("default", name)
+            return True
+        except ApiException as e:
+            if e.status == 404:
+                return False
+            raise
+
+    wait_for(f"ServiceAccount default in {name}", default_sa, timeout=30)
+    yield name
+    kube.core.delete_namespace(name)
+
+    def gone() -> bool:
+        try:
+            kube.core.read_namespace(name)
+            return False
+        except ApiException as e:
+            return e.status == 404
+
+    # Wait, so pods of this test release node capacity before the next test schedules.
+    wait_for(f"namespace {name} deleted", gone, timeout=90)
+
+
+@pytest.fixture
+def gpu_node(control_plane: DevCluster, kube: Kube) -> Iterator[Callable[..., str]]:
+    """``gpu_node(name=None, instance_type=None) -> node name``; the nodes are deleted after the test."""
+    added: list[str] = []
+
+    def add(name: str | None = None, instance_type: str | None = None) -> str:
+        node = control_plane.add_gpu_node(name, instance_type)
+        added.append(node)
+        return node
+
+    yield add
+    for node in added:
+        # Pods bound to a deleted node would wait for a kubelet that no longer exists: remove them first.
+        for pod in kube.core.list_pod_for_all_namespaces(field_selector=f"spec.nodeName={node}").items:
+            try:
+                kube.core.delete_namespaced_pod(pod.metadata.name, pod.metadata.namespace, grace_period_seconds=0)
+            except ApiException as e:
+                if e.status != 404:
+                    raise
+        try:
+            kube.core.delete_node(node)
+        except ApiException as e:
+            if e.status != 404:
+                raise
