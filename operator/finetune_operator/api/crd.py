@@ -81,8 +81,9 @@ def _structural(node: Any, *, keep_defaults: bool) -> Any:
             out[key] = _structural(value, keep_defaults=keep_defaults)
         else:
             out[key] = value
-    # A nested object whose fields all have defaults gets `default: {}` so the API server applies the
-    # nested defaults when the user omits it (pydantic emits no default for default_factory fields).
+    # A nested object whose fields all have defaults gets a default of its own (pydantic emits none for
+    # default_factory fields), so the API server fills it in when the user omits it. The default is
+    # written out in full, not `{}`: CEL rules on the object are checked against the default itself.
     if keep_defaults and out.get("properties"):
         for name, prop in out["properties"].items():
             if (
@@ -92,7 +93,9 @@ def _structural(node: Any, *, keep_defaults: bool) -> Any:
                 and not prop.get("required")
                 and name not in out.get("required", [])
             ):
-                prop["default"] = {}
+                prop["default"] = {
+                    k: copy.deepcopy(v["default"]) for k, v in sorted(prop["properties"].items()) if "default" in v
+                }
     return out
 
 

@@ -95,13 +95,12 @@ class Kube:
         what: str = "",
     ) -> Obj:
         headers = {"Accept": "application/json", "Content-Type": content_type}
-        data = json.dumps(body) if body is not None else None
         method_, url, headers, _, _ = self.api.param_serialize(
             method=method, resource_path=path, header_params=headers, auth_settings=["BearerToken"]
         )
         if query:
             url += "?" + urlencode(query)
-        resp = self.api.call_api(method_, url, header_params=headers, body=data, _request_timeout=self.timeout)
+        resp = self.api.call_api(method_, url, header_params=headers, body=body, _request_timeout=self.timeout)
         raw = resp.read()
         text = raw.decode() if isinstance(raw, bytes) else str(raw or "")
         if resp.status >= 400:

@@ -193,6 +193,8 @@ class Reconciler:
                 try:
                     current[name] = self.kube.apply(action.obj)
                 except ApiError as err:
+                    if err.status == 403 and "being terminated" in err.message:
+                        return  # the namespace is going away, and this job with it
                     if err.status in (400, 422):
                         observed.spec_issues = [Issue(f"{action.obj['kind']} {name}", f"rejected by the API server: {err.message}")]
                         return
