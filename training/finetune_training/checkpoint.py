@@ -1,17 +1,22 @@
-"""Sharded checkpoints (torch.distributed.checkpoint) and where they live.
+"""Sharded checkpoints (torch.distributed.checkpoint), where they live, and Ray's pointers to them.
 
 Layout under the job's storage (spec.training.checkpoint.storageUri, `./.work/<job>` locally):
 
-    <storage>/<run>/checkpoint-step-00000050/   one checkpoint, Ray Train's run directory
-        .metadata                               DCP metadata (written by rank 0)
-        __0_0.distcp, __1_0.distcp, ...         one shard per rank: model + optimizer state (DTensors)
-        trainer_state.json                      step, epoch, data position, scheduler, world size, metrics
-    <storage>/<run>/checkpoint_manager_snapshot.json   Ray's list of registered checkpoints
-    <storage>/final/                            Hugging Face export (safetensors + config + tokenizer)
+    <storage>/checkpoints/train/checkpoint-step-00000050/   one checkpoint (run name `train`)
+        __0_0.distcp, __1_0.distcp, ...               one shard per rank: model + optimizer state (DTensors)
+        .metadata                                     DCP metadata (rank 0, after every shard is written)
+        trainer_state.json                            step, data position, scheduler, world size, metrics
+    <storage>/train/                                  Ray Train's run directory (run name `train`)
+        checkpoint-step-00000050/pointer.json         what Ray's checkpoint holds: {"step", "uri"}
+        checkpoint_manager_snapshot.json              Ray's list of registered checkpoints
+    <storage>/final/                                  Hugging Face export (safetensors + config + tokenizer)
 
-Each rank writes its shard to node-local staging and reports it with `ray.train.report(...,
-checkpoint=...)`; Ray uploads and merges the ranks' files into one directory and keeps the newest
-`keep`. A checkpoint is complete when `.metadata`, `trainer_state.json` and one shard per rank exist.
+Every rank writes its shard straight to shared storage (local path or PVC; for s3:// through node-local
+staging and an upload); then all ranks call `ray.train.report`, rank 0 with a pointer checkpoint. Ray
+keeps its own bookkeeping of pointers (and can lose one when a worker dies right after a report); the
+runtime keeps the newest `keep` complete checkpoints itself and, on resume, takes the newest complete
+checkpoint it can find through either route. A checkpoint is complete when `.metadata`,
+`trainer_state.json` and one shard per rank exist.
 """
 
 from __future__ import annotations
@@ -23,6 +28,8 @@ from pathlib import Path
 from typing import Any
 
 STATE_FILE = "trainer_state.json"
+POINTER_FILE = "pointer.json"
+CHECKPOINTS_DIR = "checkpoints"
 _NAME = re.compile(r"^checkpoint-step-(\d+)$")
 
 
@@ -31,7 +38,10 @@ def checkpoint_name(step: int) -> str:
 
 
 def save(path: str | Path, model: Any, optimizer: Any, trainer_state: dict[str, Any], rank: int) -> Path:
-    """Collective: every rank writes its shard of model + optimizer state; rank 0 the trainer state."""
+    """Collective: every rank writes its shard of model + optimizer state; rank 0 the trainer state.
+
+    `path` is local (or a mounted PVC); for S3 see `save_to`.
+    """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
@@ -118,3 +128,76 @@ def latest_uri(run_uri: str) -> tuple[int, str] | None:
                 if best is None or step > best[0]:
                     best = (step, f"s3://{info.path}")
     return best
+
+
+def prune(run_uri: str, keep: int) -> list[str]:
+    """Delete all but the newest `keep` checkpoint directories (spec.training.checkpoint.keep).
+
+    Done by the runtime rather than Ray's `num_to_keep`: Ray loses count across a worker-group restart
+    and would keep an extra one. Only directories older than the newest `keep` are touched.
+    """
+    import pyarrow.fs as pafs
+
+    from .storage import filesystem
+
+    fs, base = filesystem(run_uri)
+    found = []
+    for info in fs.get_file_info(pafs.FileSelector(base, allow_not_found=True)):
+        m = _NAME.match(os.path.basename(info.path))
+        if m and info.type == pafs.FileType.Directory:
+            found.append((int(m.group(1)), info.path))
+    removed = []
+    for _, path in sorted(found)[:-keep] if keep > 0 else []:
+        try:
+            fs.delete_dir(path)
+            removed.append(path)
+        except OSError:
+            pass
+    return removed
+
+
+def save_to(uri: str, model: Any, optimizer: Any, trainer_state: dict[str, Any], rank: int,
+            staging: str | Path) -> None:
+    """`save` to a local/PVC path directly, or to s3:// via node-local staging (shards first, then rank 0
+    uploads `.metadata` and the trainer state, so an S3 checkpoint is complete only once all are there)."""
+    import shutil
+
+    import torch.distributed as dist
+    from finetune_operator.api.storage import is_remote
+
+    if not is_remote(uri):
+        save(uri, model, optimizer, trainer_state, rank)
+        return
+    import pyarrow.fs as pafs
+
+    from .storage import filesystem
+
+    local = Path(staging) / f"{Path(uri).name}-rank{rank}"
+    shutil.rmtree(local, ignore_errors=True)
+    save(local, model, optimizer, trainer_state, rank)
+    fs, base = filesystem(uri)
+    fs.create_dir(base, recursive=True)
+    for f in local.glob("__*.distcp"):
+        pafs.copy_files(str(f), f"{base}/{f.name}", source_filesystem=pafs.LocalFileSystem(),
+                        destination_filesystem=fs)
+    dist.barrier()
+    if rank == 0:
+        for name in (".metadata", STATE_FILE):
+            pafs.copy_files(str(local / name), f"{base}/{name}", source_filesystem=pafs.LocalFileSystem(),
+                            destination_filesystem=fs)
+    dist.barrier()
+    shutil.rmtree(local, ignore_errors=True)
+
+
+def write_pointer(directory: str | Path, step: int, uri: str) -> Path:
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    (d / POINTER_FILE).write_text(json.dumps({"step": step, "uri": uri}))
+    return d
+
+
+def read_pointer(directory: str | Path) -> dict[str, Any] | None:
+    try:
+        return dict(json.loads((Path(directory) / POINTER_FILE).read_text()))
+    except (OSError, ValueError):
+        return None

@@ -107,6 +107,7 @@ def run_local(job: Any, storage: str, *, fresh: bool = False, max_failures: int 
 
     from . import checkpoint as ckpt
     from .launcher import build_trainer, run_name, status_yaml, summary
+    from .loop import checkpoints_dir
     from .progress import ProgressBar, ProgressServer
 
     out = out or sys.stdout
@@ -121,9 +122,9 @@ def run_local(job: Any, storage: str, *, fresh: bool = False, max_failures: int 
                   file=sys.stderr)
             return 2
     name = run_name(job)
-    run_dir = Path(storage) / name
+    run_dir = Path(checkpoints_dir(storage, name))
     if fresh:
-        for d in (run_dir, Path(storage) / "final"):
+        for d in (run_dir, Path(storage) / name, Path(storage) / "final"):
             if d.exists():
                 shutil.rmtree(d)
                 print(f"--fresh: removed {d}", file=out)

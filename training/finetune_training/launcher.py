@@ -1,10 +1,11 @@
 """The Ray driver: build the TorchTrainer from a FinetuneJob, run it, summarise the outcome.
 
 Used by `python -m finetune_training` inside the cluster (connects to the RayJob's cluster) and by
-`finetune run` (embedded local Ray). Ray Train's run directory is `<storage>/<run name>`; with
-resume: auto the run name is stable (`train`), so a retried job (new Ray cluster, same storage) finds
-Ray's checkpoint snapshot there and workers get the newest checkpoint from `ray.train.get_checkpoint()`;
-with resume: never every attempt gets its own run name and starts at step 0.
+`finetune run` (embedded local Ray). Ray Train's run directory is `<storage>/<run name>` and the
+sharded checkpoints go to `<storage>/checkpoints/<run name>/`. With resume: auto the run name is stable
+(`train`), so a retried job (new Ray cluster, same storage) finds Ray's snapshot and the checkpoints
+again and continues from the newest; with resume: never every attempt gets its own run name and starts
+at step 0 (a worker-group restart within the attempt still resumes from the attempt's checkpoints).
 """
 
 from __future__ import annotations

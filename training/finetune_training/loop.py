@@ -52,8 +52,23 @@ class LoopConfig:
         return f"{self.storage.rstrip('/')}/{self.run_name}"
 
     @property
+    def checkpoints_dir(self) -> str:
+        return checkpoints_dir(self.storage, self.run_name)
+
+    @property
     def final_dir(self) -> str:
         return f"{self.storage.rstrip('/')}/final"
+
+
+def checkpoints_dir(storage: str, run_name: str) -> str:
+    return f"{storage.rstrip('/')}/{ckpt.CHECKPOINTS_DIR}/{run_name}"
+
+
+def _complete(uri: str) -> bool:
+    if uri.startswith("s3://"):
+        hit = ckpt.latest_uri(uri.rsplit("/", 1)[0])
+        return hit is not None and hit[1] == uri
+    return ckpt.is_complete(uri)
 
 
 def total_steps(spec: FinetuneJobSpec, num_train_sequences: int) -> int:
@@ -153,32 +168,28 @@ class Trainer:
         The newer wins: Ray registers a checkpoint asynchronously, so a run killed right after writing one
         can leave it complete on storage but not yet in Ray's snapshot.
         """
-        candidates: list[tuple[int, str, Any]] = []
+        candidates: list[tuple[int, str]] = []  # (step, where the complete checkpoint is)
         if ray_checkpoint is not None:
             with ray_checkpoint.as_directory() as d:
-                if ckpt.is_complete(d):
-                    candidates.append((int(ckpt.read_state(d)["step"]), "ray", ray_checkpoint))
+                pointer = ckpt.read_pointer(d)
+            if pointer and _complete(pointer["uri"]):
+                candidates.append((int(pointer["step"]), pointer["uri"]))
         if self.spec.training.resume == Resume.auto:
-            hit = ckpt.latest_uri(self.cfg.run_dir)
+            hit = ckpt.latest_uri(self.cfg.checkpoints_dir)
             if hit is not None:
-                candidates.append((hit[0], "storage", hit[1]))
+                candidates.append(hit)
         if not candidates:
             self.say("starting at step 0")
             return 0
-        step, kind, where = max(candidates, key=lambda c: (c[0], c[1] == "ray"))
-        if kind == "ray":
-            with where.as_directory() as d:
-                state = ckpt.load(d, self.model, self.optimizer)
-            source = f"Ray checkpoint {where.path}"
-        else:
-            local = where
-            if where.startswith("s3://"):
-                from .modelio import default_cache_dir
-                from .storage import download_prefix
+        step, where = max(candidates)
+        local = where
+        if where.startswith("s3://"):
+            from .modelio import default_cache_dir
+            from .storage import download_prefix
 
-                local = str(download_prefix(where, Path(self.env.cache_dir or default_cache_dir()) / "ckpt"))
-            state = ckpt.load(local, self.model, self.optimizer)
-            source = where
+            local = str(download_prefix(where, Path(self.env.cache_dir or default_cache_dir()) / "ckpt"))
+        state = ckpt.load(local, self.model, self.optimizer)
+        source = where if ray_checkpoint is None else f"{where}; Ray's checkpoint: {ray_checkpoint.path}"
         self.scheduler.load_state_dict(state["scheduler"])
         self.step = int(state["step"])
         self.eval_loss = state.get("eval_loss")
@@ -282,28 +293,37 @@ class Trainer:
         }
 
     def checkpoint_uri(self, step: int) -> str:
-        return f"{self.cfg.storage_uri.rstrip('/')}/{self.cfg.run_name}/{ckpt.checkpoint_name(step)}"
+        """As the user wrote the storage (pvc://..., s3://..., a path), for status."""
+        return f"{checkpoints_dir(self.cfg.storage_uri, self.cfg.run_name)}/{ckpt.checkpoint_name(step)}"
 
     def save_checkpoint(self, report: Any) -> None:
-        """Write this rank's shard to staging and hand it to `report` (ray.train.report, or a test stub)."""
+        """Write the sharded checkpoint to storage, prune to `keep`, and report a pointer to Ray.
+
+        `report(metrics, pointer_dir | None, name)` is ray.train.report in a worker (a stub in tests); it
+        is a barrier, so the step after it starts only once every rank's shard is written.
+        """
         name = ckpt.checkpoint_name(self.step)
+        uri = f"{self.cfg.checkpoints_dir}/{name}"
         staging = Path(self.env.staging_dir or tempfile.gettempdir()) / "finetune-staging" / self.cfg.run_name
-        local = staging / f"{name}-rank{self.rank}"
-        shutil.rmtree(local, ignore_errors=True)
         self.last_checkpoint = self.checkpoint_uri(self.step)
         self.last_checkpoint_step = self.step
         if self.last is not None:
             self.last = self.last.model_copy(update={"last_checkpoint": self.last_checkpoint,
                                                      "last_checkpoint_step": self.step})
         t0 = time.perf_counter()
-        ckpt.save(local, self.model, self.optimizer, self.trainer_state(), self.rank)
+        ckpt.save_to(uri, self.model, self.optimizer, self.trainer_state(), self.rank, staging)
         metrics = {
             "step": self.step,
             "training": self.last.wire() if self.last else {},
             "network": self.network.wire() if self.network else {},
         }
-        report(metrics, local, name)
-        shutil.rmtree(local, ignore_errors=True)
+        pointer = None
+        if self.rank == 0:
+            ckpt.prune(self.cfg.checkpoints_dir, self.spec.training.checkpoint.keep)
+            pointer = ckpt.write_pointer(staging / f"pointer-{name}", self.step, uri)
+        report(metrics, pointer, name)
+        if pointer is not None:
+            shutil.rmtree(pointer, ignore_errors=True)
         self.say(f"checkpoint step {self.step} -> {self.last_checkpoint} ({time.perf_counter() - t0:.1f}s)")
 
     # ------------------------------------------------------------------------------------ export
@@ -428,10 +448,11 @@ def train_func(config: dict[str, Any]) -> None:
     trainer = Trainer(job, cfg, rank=ctx.get_world_rank(), world=ctx.get_world_size(),
                       local_rank=ctx.get_local_rank(), local_world=ctx.get_local_world_size(), device=device)
 
-    def report(metrics: dict[str, Any], local_dir: Path, name: str) -> None:
+    def report(metrics: dict[str, Any], pointer_dir: Path | None, name: str) -> None:
         from ray.train import Checkpoint
 
-        ray.train.report(metrics, checkpoint=Checkpoint.from_directory(str(local_dir)), checkpoint_dir_name=name)
+        checkpoint = Checkpoint.from_directory(str(pointer_dir)) if pointer_dir is not None else None
+        ray.train.report(metrics, checkpoint=checkpoint, checkpoint_dir_name=name)
 
     try:
         trainer.probe()
