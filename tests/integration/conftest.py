@@ -158,7 +158,7 @@ def namespace(kube: Kube, request: pytest.FixtureRequest) -> Iterator[str]:
 
 
 @pytest.fixture
-def gpu_node(control_plane: DevCluster, kube: Kube) -> Iterator[Callable[..., str]]:
+def gpu_node(control_plane: DevCluster) -> Iterator[Callable[..., str]]:
     """``gpu_node(name=None, instance_type=None) -> node name``; the nodes are deleted after the test."""
     added: list[str] = []
 
@@ -169,15 +169,4 @@ def gpu_node(control_plane: DevCluster, kube: Kube) -> Iterator[Callable[..., st
 
     yield add
     for node in added:
-        # Pods bound to a deleted node would wait for a kubelet that no longer exists: remove them first.
-        for pod in kube.core.list_pod_for_all_namespaces(field_selector=f"spec.nodeName={node}").items:
-            try:
-                kube.core.delete_namespaced_pod(pod.metadata.name, pod.metadata.namespace, grace_period_seconds=0)
-            except ApiException as e:
-                if e.status != 404:
-                    raise
-        try:
-            kube.core.delete_node(node)
-        except ApiException as e:
-            if e.status != 404:
-                raise
+        control_plane.delete_node(node)

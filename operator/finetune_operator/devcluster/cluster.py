@@ -45,8 +45,9 @@ POD_CIDR = "10.244.0.1/16"
 GPU_NODEGROUP = "gpu-efa"
 CPU_NODEGROUP = "cpu"
 FIELD_MANAGER = "finetune-dev-cluster"
-# Start order; stopped in reverse.
+# Start order.
 COMPONENTS = ["etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kwok", "ray-operator"]
+STOP_STAGES = [["ray-operator", "kwok", "kube-scheduler", "kube-controller-manager"], ["kube-apiserver"], ["etcd"]]
 
 Log = Callable[[str], None]
 
@@ -323,23 +324,29 @@ class DevCluster:
         self._save_state(state)
 
     def down(self, quiet: bool = False) -> None:
-        """Stop every component (SIGTERM, then SIGKILL after 10s); idempotent. Logs are kept."""
+        """Stop every component (SIGTERM, SIGKILL after 10s); idempotent. Logs are kept.
+
+        In stages: the apiserver's clients first, then the apiserver, then etcd. (An apiserver whose
+        etcd vanished first keeps retrying instead of exiting.)"""
         state = self._state()
         procs: dict[str, dict[str, Any]] = state.get("processes", {})
         stopped = []
-        for name in reversed(COMPONENTS):
-            p = procs.get(name)
-            if p and self._alive(p):
-                self._signal(p, signal.SIGTERM)
+        for stage in STOP_STAGES:
+            running = [n for n in stage if n in procs and self._alive(procs[n])]
+            for name in running:
+                self._signal(procs[name], signal.SIGTERM)
+            deadline = time.monotonic() + 10
+            for name in running:
+                while self._alive(procs[name]) and time.monotonic() < deadline:
+                    self._reap(name)
+                    time.sleep(0.02)
+                if self._alive(procs[name]):
+                    self._signal(procs[name], signal.SIGKILL)
+                    kill_deadline = time.monotonic() + 5
+                    while self._alive(procs[name]) and time.monotonic() < kill_deadline:
+                        self._reap(name)
+                        time.sleep(0.02)
                 stopped.append(name)
-        deadline = time.monotonic() + 10
-        for name in stopped:
-            p = procs[name]
-            while self._alive(p) and time.monotonic() < deadline:
-                self._reap(name)
-                time.sleep(0.05)
-            if self._alive(p):
-                self._signal(p, signal.SIGKILL)
         for name in list(self._popen):
             self._reap(name, block=True)
         if state:
@@ -399,7 +406,23 @@ class DevCluster:
         return name
 
     def delete_node(self, name: str) -> None:
-        self._api().request("DELETE", f"/api/v1/nodes/{name}")
+        """Remove a node, then the pods bound to it (what the pod GC would do ~1 min later: no kubelet
+        is left to finish their deletion). Deleting the node first means nothing new lands on it."""
+        api = self._api()
+        try:
+            api.request("DELETE", f"/api/v1/nodes/{name}")
+        except urllib.error.HTTPError as e:
+            if e.code != 404:
+                raise
+        q = urllib.parse.urlencode({"fieldSelector": f"spec.nodeName={name}"})
+        for pod in api.get(f"/api/v1/pods?{q}")["items"]:
+            meta = pod["metadata"]
+            try:
+                api.request("DELETE", f"/api/v1/namespaces/{meta['namespace']}/pods/{meta['name']}",
+                            {"gracePeriodSeconds": 0})
+            except urllib.error.HTTPError as e:
+                if e.code != 404:
+                    raise
 
     def _create_node(self, api: _Api, name: str, instance_type: str, nodegroup: str,
                      index: int | None = None) -> None:
