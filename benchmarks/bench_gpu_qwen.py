@@ -50,11 +50,10 @@ def run_variant(cfg_kw: dict[str, Any], *, ac: bool, compile_: bool, seq: int, m
                 warmup: int, device: Any, mesh: Any, world: int, peak: float) -> dict[str, Any]:
     import torch
     import torch.nn.functional as F
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
     from finetune_operator.api.spec import FSDPSpec, ShardingStrategy
     from finetune_training.metrics import mfu, model_shape
     from finetune_training.parallel import apply_fsdp, decoder_layers
+    from transformers import Qwen2Config, Qwen2ForCausalLM
 
     on_gpu = device.type == "cuda"
     compute = torch.bfloat16 if on_gpu else torch.float32
@@ -159,7 +158,7 @@ def main() -> int:
         try:
             r = run_variant(cfg, ac=ac, compile_=comp, seq=seq, micro=micro, steps=args.steps, warmup=args.warmup,
                             device=device, mesh=mesh, world=world, peak=peak)
-        except Exception as e:  # noqa: BLE001 - e.g. OOM without AC: report and go on
+        except Exception as e:
             r = {"activation_checkpointing": ac, "compile": comp, "error": f"{type(e).__name__}: {str(e)[:200]}"}
             if on_gpu:
                 torch.cuda.empty_cache()

@@ -26,7 +26,6 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def timed_steps(job_doc: dict[str, Any], rank: int, world: int, steps: int, warmup: int) -> list[float]:
     import torch
-
     from finetune_operator.api.spec import FinetuneJob
     from finetune_training.environment import RuntimeEnv
     from finetune_training.loop import LoopConfig, Trainer

@@ -7,7 +7,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from finetune_operator.api.spec import DatasetSpec
 from finetune_training import data as D
 from finetune_training.data import IGNORE
@@ -20,11 +19,11 @@ def spec(source: str | Path, **kw: Any) -> DatasetSpec:
 
 
 def trained_text(tok: Any, ex: D.Example) -> str:
-    return tok.decode([i for i, lab in zip(ex.input_ids, ex.labels) if lab != IGNORE])
+    return tok.decode([i for i, lab in zip(ex.input_ids, ex.labels, strict=True) if lab != IGNORE])
 
 
 def masked_text(tok: Any, ex: D.Example) -> str:
-    return tok.decode([i for i, lab in zip(ex.input_ids, ex.labels) if lab == IGNORE])
+    return tok.decode([i for i, lab in zip(ex.input_ids, ex.labels, strict=True) if lab == IGNORE])
 
 
 # ---------------------------------------------------------------------------------------- reading

@@ -12,7 +12,6 @@ from typing import Any
 
 import pytest
 import yaml
-
 from finetune_training import checkpoint as ckpt
 from finetune_training.cli import prepare_document, run_local
 

@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from finetune_operator.api.spec import DType, FSDPSpec, ModelSpec, Precision, TrainingSpec
 from finetune_training import checkpoint as ckpt
 from finetune_training import modelio, optim
@@ -98,7 +97,6 @@ def test_s3_source_is_downloaded_once(tmp_path: Path, monkeypatch: pytest.Monkey
     import shutil
 
     import pyarrow.fs as pafs
-
     from finetune_training import storage
 
     bucket = tmp_path / "bucket"
@@ -149,7 +147,7 @@ def test_checkpoint_round_trip(process_group: None, tiny_model_dir: Path, tmp_pa
     # Same next step from both: the restored optimizer state is the real one.
     train_steps(model, opt, sched, 1)
     train_steps(model2, opt2, sched2, 1)
-    assert all(torch.allclose(a, b) for a, b in zip(full_weights(model).values(), full_weights(model2).values()))
+    assert all(torch.allclose(a, b) for a, b in zip(full_weights(model).values(), full_weights(model2).values(), strict=True))
 
 
 def test_incomplete_checkpoints_are_ignored(tmp_path: Path) -> None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
 from finetune_training import netprobe as N
 
 FIX = Path(__file__).parent / "fixtures"

@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from finetune_operator.api.status import NetworkHealth, ProgressReport, TrainingProgress
 from finetune_training.progress import ProgressBar, ProgressClient, ProgressServer, merge
 
@@ -25,7 +24,7 @@ class SlowServer:
         outer = self
 
         class H(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:  # noqa: N802
+            def do_POST(self) -> None:
                 body = self.rfile.read(int(self.headers["Content-Length"]))
                 time.sleep(delay)
                 outer.bodies.append(json.loads(body))

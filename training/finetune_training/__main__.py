@@ -14,9 +14,8 @@ import sys
 
 
 def main(argv: list[str] | None = None) -> int:
-    from pydantic import ValidationError
-
     from finetune_operator.api.status import Phase
+    from pydantic import ValidationError
 
     from .config import load_job
     from .environment import RuntimeEnv
@@ -42,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
                             spread=job.spec.cluster.workers.gpus_per_worker == 0)
     try:
         result = trainer.fit()
-    except Exception as e:  # noqa: BLE001 - summarised, then a non-zero exit
+    except Exception as e:
         print(status_yaml(summary(Phase.failed, f"{type(e).__name__}: {e}"[:2000], None)), flush=True)
         return 1
     print(status_yaml(summary(Phase.succeeded, f"exported to {storage.rstrip('/')}/final", result.metrics)),

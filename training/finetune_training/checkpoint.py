@@ -42,13 +42,13 @@ def save(path: str | Path, model: Any, optimizer: Any, trainer_state: dict[str, 
 
     `path` is local (or a mounted PVC); for S3 see `save_to`.
     """
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
+    from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(out))
+    dcp_save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(out))
     if rank == 0:
         tmp = out / (STATE_FILE + ".tmp")
         tmp.write_text(json.dumps(trainer_state, indent=2, sort_keys=True))
@@ -58,12 +58,12 @@ def save(path: str | Path, model: Any, optimizer: Any, trainer_state: dict[str, 
 
 def load(path: str | Path, model: Any, optimizer: Any) -> dict[str, Any]:
     """Collective: restore model + optimizer shards in place; returns the trainer state."""
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    state = {"model": model_sd, "optim": optim_sd}
-    dcp.load(state, checkpoint_id=str(path))
+    state: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
+    dcp_load(state, checkpoint_id=str(path))
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     return read_state(path)
 

@@ -28,7 +28,7 @@ _LOCAL_PREFIXES = ("./", "../")
 
 def register(subparsers: Any) -> argparse.ArgumentParser:
     """Add the `run` subcommand to an argparse subparsers object; dispatch with `args.func(args)`."""
-    p = subparsers.add_parser(
+    p: argparse.ArgumentParser = subparsers.add_parser(
         "run",
         help="run a FinetuneJob's training on this machine (embedded Ray, CPU workers)",
         description=__doc__.split("\n\n")[0] if __doc__ else None,
@@ -55,7 +55,6 @@ def prepare_document(path: str, *, workers: int | None = None, max_steps: int | 
                      storage: str | None = None, cwd: Path | None = None) -> tuple[Any, str]:
     """Read the job, apply the command-line overrides, make local paths absolute; (FinetuneJob, storage)."""
     import yaml
-
     from finetune_operator.api.spec import FinetuneJob
 
     base = cwd or Path.cwd()
@@ -195,7 +194,7 @@ def run_local(job: Any, storage: str, *, fresh: bool = False, max_failures: int 
         print(f"\ninterrupted; run the same command again to resume from {where}", file=out)
         code = 130
         status = None
-    except Exception as e:  # noqa: BLE001 - summarised, then a non-zero exit
+    except Exception as e:
         bar.finish()
         latest = seen.get("latest")
         msg = latest.message if latest is not None and latest.phase == "Failed" and latest.message else str(e)
@@ -223,7 +222,7 @@ def _fit_interruptibly(trainer: Any) -> Any:
     def target() -> None:
         try:
             box["result"] = trainer.fit()
-        except BaseException as e:  # noqa: BLE001 - re-raised in the main thread
+        except BaseException as e:
             box["error"] = e
 
     thread = threading.Thread(target=target, name="ray-train-fit", daemon=True)

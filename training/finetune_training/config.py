@@ -34,4 +34,4 @@ def default_storage(job: FinetuneJob) -> str:
     from finetune_operator.api.storage import resolve_in_pod
 
     uri = job.spec.training.checkpoint.storage_uri or f"./.work/{job.metadata.name}"
-    return resolve_in_pod(uri)
+    return str(resolve_in_pod(uri))

@@ -50,7 +50,8 @@ def _read_file(path: Path) -> list[dict[str, Any]]:
     if path.suffix == ".parquet":
         import pyarrow.parquet as pq
 
-        return pq.read_table(path).to_pylist()
+        rows: list[dict[str, Any]] = pq.read_table(path).to_pylist()
+        return rows
     text = path.read_text()
     if path.suffix == ".json":
         stripped = text.lstrip()
@@ -106,7 +107,7 @@ def read_records(spec: DatasetSpec, cache_dir: str | Path | None = None) -> list
 
 def _read_hub(spec: DatasetSpec) -> list[dict[str, Any]]:
     try:
-        import datasets  # type: ignore[import-not-found]
+        import datasets
     except ImportError:
         raise DataError(
             f"spec.dataset.source: {spec.source!r} looks like a Hugging Face dataset id, but the `datasets` "

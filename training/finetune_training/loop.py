@@ -14,7 +14,7 @@ import shutil
 import tempfile
 import time
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +33,7 @@ EVAL_MAX_BATCHES = int(os.environ.get("FINETUNE_EVAL_MAX_BATCHES", "50"))
 
 
 def _now() -> str:
-    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 @dataclass
@@ -74,8 +74,8 @@ def _complete(uri: str) -> bool:
 def total_steps(spec: FinetuneJobSpec, num_train_sequences: int) -> int:
     t = spec.training
     if t.max_steps:
-        return t.max_steps
-    return t.epochs * steps_per_epoch(num_train_sequences, t.global_batch_size)
+        return int(t.max_steps)
+    return int(t.epochs) * steps_per_epoch(num_train_sequences, int(t.global_batch_size))
 
 
 class Trainer:
@@ -380,12 +380,18 @@ class Trainer:
         tput = Throughput()
         interval = t.checkpoint.interval_steps
         saved_at = self.step if self.last_checkpoint_step == self.step else None
+        first = True
         while self.step < self.total:
             m = self.train_step()
-            tput.step(tokens_per_step)
+            if first:  # the first step (allocations, lazy init) is not representative
+                tput.reset_clock()
+                first = False
+            else:
+                tput.step(tokens_per_step)
             self._maybe_crash()
             if self.step % t.eval_interval_steps == 0 and self.step < self.total:
                 self.evaluate()
+                tput.reset_clock()
             self.last = self.progress_snapshot(m, tput)
             if self.rank == 0:
                 self.progress.publish(ProgressReport(phase="Training", training=self.last))

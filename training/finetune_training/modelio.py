@@ -118,7 +118,7 @@ def export_hf(full_state_dict: dict[str, Any], config: Any, tokenizer: Any, out_
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, **_dtype_kw(dtype))
+        model = AutoModelForCausalLM.from_config(config, **_dtype_kw(dtype))  # type: ignore[no-untyped-call]
     sd = {k: v.to(dtype) if v.is_floating_point() else v for k, v in full_state_dict.items()}
     model.load_state_dict(sd, strict=False, assign=True)
     if getattr(config, "tie_word_embeddings", False):

@@ -268,7 +268,7 @@ def run_probe(device: Any, *, efa_expected: bool, require_efa: bool, nodes: int)
     seconds = 0.0
     try:
         seconds = time_allreduce(nbytes, device)
-    except Exception as e:  # noqa: BLE001 - reported below, then re-raised as a probe failure
+    except Exception as e:
         error = f"{type(e).__name__}: {e}"
     delta = counters_delta(before, read_efa_counters()) if before else None
     facts: NcclLogFacts | None = None

@@ -24,7 +24,8 @@ def lr_factor(step: int, total_steps: int, warmup_ratio: float, kind: Scheduler)
 def build(model: Any, spec: TrainingSpec, total_steps: int) -> tuple[Any, Any]:
     import torch
 
-    decay, no_decay = [], []
+    decay: list[Any] = []
+    no_decay: list[Any] = []
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue

@@ -76,7 +76,7 @@ class ProgressClient:
                 self._pending = merge(self._pending, report)
                 self._idle.clear()
             self._wake.set()
-        except Exception:  # noqa: BLE001 - progress must never break training
+        except Exception:
             log.debug("progress publish failed", exc_info=True)
 
     def close(self, timeout: float = 5.0) -> None:
@@ -106,7 +106,7 @@ class ProgressClient:
         assert self.url is not None
         body = json.dumps(report.wire()).encode()
         req = urllib.request.Request(self.url, data=body, headers=self._headers(), method="POST")
-        with urllib.request.urlopen(req, timeout=self.timeout) as resp:  # noqa: S310 - URL from the operator
+        with urllib.request.urlopen(req, timeout=self.timeout) as resp:
             resp.read()
 
     def _run(self) -> None:
@@ -120,7 +120,7 @@ class ProgressClient:
                 try:
                     self._post(report)
                     self.sent += 1
-                except Exception as e:  # noqa: BLE001
+                except Exception as e:
                     self.failed += 1
                     if self.failed == 1:
                         log.warning("progress endpoint %s unreachable (%s); training continues", self.url, e)
@@ -146,13 +146,13 @@ class ProgressServer:
         handler_cb = on_report
 
         class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:  # noqa: N802
+            def do_POST(self) -> None:
                 length = int(self.headers.get("Content-Length") or 0)
                 try:
                     report = ProgressReport.model_validate_json(self.rfile.read(length))
                     handler_cb(report)
                     self.send_response(204)
-                except Exception:  # noqa: BLE001
+                except Exception:
                     self.send_response(400)
                 self.end_headers()
 
@@ -165,8 +165,8 @@ class ProgressServer:
 
     @property
     def url(self) -> str:
-        host, port = self._server.server_address[:2]
-        return f"http://{host}:{port}/v1/progress/local"
+        port = self._server.server_address[1]
+        return f"http://127.0.0.1:{port}/v1/progress/local"
 
     def close(self) -> None:
         self._server.shutdown()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 # ChatML, as Qwen2 uses; only assistant turns end with <|im_end|> that the model must learn to emit.
 CHATML_TEMPLATE = (
@@ -18,7 +19,7 @@ CHATML_TEMPLATE = (
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 
-def build_tokenizer(texts: Iterable[str], vocab_size: int = 512):  # type: ignore[no-untyped-def]
+def build_tokenizer(texts: Iterable[str], vocab_size: int = 512) -> Any:
     """Train a byte-level BPE tokenizer on `texts`; returns a transformers fast tokenizer."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
@@ -33,7 +34,7 @@ def build_tokenizer(texts: Iterable[str], vocab_size: int = 512):  # type: ignor
         show_progress=False,
     )
     tok.train_from_iterator(list(texts), trainer=trainer)
-    fast = PreTrainedTokenizerFast(
+    fast = PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
         tokenizer_object=tok,
         eos_token="<|endoftext|>",
         pad_token="<|endoftext|>",
@@ -44,12 +45,14 @@ def build_tokenizer(texts: Iterable[str], vocab_size: int = 512):  # type: ignor
 
 
 def build_model(vocab_size: int, *, hidden: int = 96, layers: int = 3, heads: int = 4, kv_heads: int = 2,
-                intermediate: int = 256, max_positions: int = 512, seed: int = 0):  # type: ignore[no-untyped-def]
+                intermediate: int = 256, max_positions: int = 512, seed: int = 0) -> Any:
     """A randomly initialised Qwen2ForCausalLM with tied embeddings."""
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
+    kw: dict[str, Any] = {"rope_theta": 10000.0}  # transformers 5 folds it into rope_parameters; 4.x takes it directly
     config = Qwen2Config(
+        **kw,
         vocab_size=vocab_size,
         hidden_size=hidden,
         intermediate_size=intermediate,
@@ -58,7 +61,6 @@ def build_model(vocab_size: int, *, hidden: int = 96, layers: int = 3, heads: in
         num_key_value_heads=kv_heads,
         max_position_embeddings=max_positions,
         tie_word_embeddings=True,
-        rope_theta=10000.0,
     )
     torch.manual_seed(seed)
     return Qwen2ForCausalLM(config)
