@@ -25,10 +25,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from finetune_operator.devcluster import DevCluster, build
 from kubernetes import client, config
 from kubernetes.client.rest import ApiException
-
-from finetune_operator.devcluster import DevCluster, build
 
 _CLUSTER: DevCluster | None = None
 

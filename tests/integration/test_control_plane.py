@@ -3,16 +3,17 @@
 from __future__ import annotations
 
 import copy
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
+from finetune_operator.devcluster import DevCluster
 from kubernetes import client
 from kubernetes.client.rest import ApiException
 from kubernetes.utils import parse_quantity
-
-from finetune_operator.devcluster import DevCluster
 
 from .conftest import Kube, wait_for
 
@@ -40,35 +41,47 @@ def raycluster(name: str, workers: int = 2) -> dict[str, Any]:
         "spec": {
             "headGroupSpec": {
                 "rayStartParams": {"num-gpus": "0"},
-                "template": {"spec": {
-                    "nodeSelector": {"node.kubernetes.io/instance-type": CPU_TYPE},
-                    "containers": [{
-                        "name": "ray-head",
-                        "image": RAY_IMAGE,
-                        "resources": {"requests": {"cpu": "2", "memory": "8Gi"},
-                                      "limits": {"cpu": "2", "memory": "8Gi"}},
-                    }],
-                }},
+                "template": {
+                    "spec": {
+                        "nodeSelector": {"node.kubernetes.io/instance-type": CPU_TYPE},
+                        "containers": [
+                            {
+                                "name": "ray-head",
+                                "image": RAY_IMAGE,
+                                "resources": {
+                                    "requests": {"cpu": "2", "memory": "8Gi"},
+                                    "limits": {"cpu": "2", "memory": "8Gi"},
+                                },
+                            }
+                        ],
+                    }
+                },
             },
-            "workerGroupSpecs": [{
-                "groupName": "gpu",
-                "replicas": workers,
-                "minReplicas": workers,
-                "maxReplicas": workers,
-                "rayStartParams": {"num-gpus": "4"},
-                "template": {"spec": {
-                    "nodeSelector": {"node.kubernetes.io/instance-type": GPU_TYPE},
-                    "tolerations": [
-                        {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"},
-                        {"key": "vpc.amazonaws.com/efa", "operator": "Exists", "effect": "NoSchedule"},
-                    ],
-                    "containers": [{
-                        "name": "ray-worker",
-                        "image": RAY_IMAGE,
-                        "resources": {"requests": dict(WORKER_RESOURCES), "limits": dict(WORKER_RESOURCES)},
-                    }],
-                }},
-            }],
+            "workerGroupSpecs": [
+                {
+                    "groupName": "gpu",
+                    "replicas": workers,
+                    "minReplicas": workers,
+                    "maxReplicas": workers,
+                    "rayStartParams": {"num-gpus": "4"},
+                    "template": {
+                        "spec": {
+                            "nodeSelector": {"node.kubernetes.io/instance-type": GPU_TYPE},
+                            "tolerations": [
+                                {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"},
+                                {"key": "vpc.amazonaws.com/efa", "operator": "Exists", "effect": "NoSchedule"},
+                            ],
+                            "containers": [
+                                {
+                                    "name": "ray-worker",
+                                    "image": RAY_IMAGE,
+                                    "resources": {"requests": dict(WORKER_RESOURCES), "limits": dict(WORKER_RESOURCES)},
+                                }
+                            ],
+                        }
+                    },
+                }
+            ],
         },
     }
 
@@ -139,18 +152,28 @@ def test_nodes_ready_with_eks_gpu_efa_shape(kube: Kube) -> None:
 def test_raycluster_scheduling_capacity_and_garbage_collection(kube: Kube, namespace: str) -> None:
     # (a) KubeRay creates the pods; the scheduler spreads the 2 workers over the 2 GPU nodes.
     create_raycluster(kube, namespace, raycluster("first"))
-    workers = wait_for("2 workers of 'first' Running", lambda: workers_running(kube, namespace, "first", 2),
-                       timeout=90)
+    workers = wait_for("2 workers of 'first' Running", lambda: workers_running(kube, namespace, "first", 2), timeout=90)
     assert isinstance(workers, list)
     placed = {p.spec.node_name for p in workers}
     assert len(placed) == 2, f"workers share a node: {placed}"
     assert all(node_of(kube, p).metadata.labels["node.kubernetes.io/instance-type"] == GPU_TYPE for p in workers)
-    head = wait_for("head of 'first' Running",
-                    lambda: [p for p in pods(kube, namespace, "first", "head") if running_ready(p)], timeout=60)
+    head = wait_for(
+        "head of 'first' Running",
+        lambda: [p for p in pods(kube, namespace, "first", "head") if running_ready(p)],
+        timeout=60,
+    )
     assert isinstance(head, list)
     assert node_of(kube, head[0]).metadata.labels["node.kubernetes.io/instance-type"] == CPU_TYPE
-    wait_for("RayCluster 'first' state ready", lambda: kube.custom.get_namespaced_custom_object(
-        "ray.io", "v1", namespace, "rayclusters", "first").get("status", {}).get("state") == "ready", timeout=60)
+    wait_for(
+        "RayCluster 'first' state ready",
+        lambda: (
+            kube.custom.get_namespaced_custom_object("ray.io", "v1", namespace, "rayclusters", "first")
+            .get("status", {})
+            .get("state")
+            == "ready"
+        ),
+        timeout=60,
+    )
 
     # (b) A second identical cluster does not fit: its workers stay Pending, and the scheduler says why.
     create_raycluster(kube, namespace, raycluster("second"))
@@ -182,8 +205,7 @@ def test_added_gpu_node_unblocks_pending_worker(
 
     def two_running_one_pending() -> bool:
         ws = pods(kube, namespace, "three", "worker")
-        return len(ws) == 3 and sum(map(running_ready, ws)) == 2 and sum(
-            1 for p in ws if unschedulable_message(p)) == 1
+        return len(ws) == 3 and sum(map(running_ready, ws)) == 2 and sum(1 for p in ws if unschedulable_message(p)) == 1
 
     wait_for("2 of 3 workers Running, 1 Unschedulable", two_running_one_pending, timeout=90)
     node = gpu_node()
@@ -196,25 +218,38 @@ def test_added_gpu_node_unblocks_pending_worker(
 def test_token_request_with_job_audience_passes_token_review(kube: Kube, namespace: str) -> None:
     audience = f"finetune.dev/{namespace}/job-a"
     kube.core.create_namespaced_service_account(
-        namespace, client.V1ServiceAccount(metadata=client.V1ObjectMeta(name="trainer")))
+        namespace, client.V1ServiceAccount(metadata=client.V1ObjectMeta(name="trainer"))
+    )
     # A pod to bind the token to, as the kubelet does for a projected service-account token volume.
-    pod = kube.core.create_namespaced_pod(namespace, client.V1Pod(
-        metadata=client.V1ObjectMeta(name="worker-0"),
-        spec=client.V1PodSpec(service_account_name="trainer", node_selector={
-            "node.kubernetes.io/instance-type": CPU_TYPE},
-            containers=[client.V1Container(name="c", image="busybox")]),
-    ))
-    token = kube.core.create_namespaced_service_account_token("trainer", namespace, client.AuthenticationV1TokenRequest(
-        spec=client.V1TokenRequestSpec(
-            audiences=[audience], expiration_seconds=600,
-            bound_object_ref=client.V1BoundObjectReference(kind="Pod", api_version="v1", name="worker-0",
-                                                           uid=pod.metadata.uid),
+    pod = kube.core.create_namespaced_pod(
+        namespace,
+        client.V1Pod(
+            metadata=client.V1ObjectMeta(name="worker-0"),
+            spec=client.V1PodSpec(
+                service_account_name="trainer",
+                node_selector={"node.kubernetes.io/instance-type": CPU_TYPE},
+                containers=[client.V1Container(name="c", image="busybox")],
+            ),
         ),
-    )).status.token
+    )
+    token = kube.core.create_namespaced_service_account_token(
+        "trainer",
+        namespace,
+        client.AuthenticationV1TokenRequest(
+            spec=client.V1TokenRequestSpec(
+                audiences=[audience],
+                expiration_seconds=600,
+                bound_object_ref=client.V1BoundObjectReference(
+                    kind="Pod", api_version="v1", name="worker-0", uid=pod.metadata.uid
+                ),
+            ),
+        ),
+    ).status.token
 
     def review(aud: list[str]) -> client.V1TokenReviewStatus:
-        return kube.auth.create_token_review(client.V1TokenReview(
-            spec=client.V1TokenReviewSpec(token=token, audiences=aud))).status
+        return kube.auth.create_token_review(
+            client.V1TokenReview(spec=client.V1TokenReviewSpec(token=token, audiences=aud))
+        ).status
 
     ok = review([audience])
     assert ok.authenticated, ok.error
@@ -236,12 +271,16 @@ def test_token_request_with_job_audience_passes_token_review(kube: Kube, namespa
 def test_service_account_has_no_write_permissions_by_default(kube: Kube, namespace: str) -> None:
     """RBAC is on: a training pod's service account cannot patch anything unless granted."""
     review = client.AuthorizationV1Api(kube.api_client).create_subject_access_review(
-        client.V1SubjectAccessReview(spec=client.V1SubjectAccessReviewSpec(
-            user=f"system:serviceaccount:{namespace}:default",
-            groups=["system:serviceaccounts", f"system:serviceaccounts:{namespace}"],
-            resource_attributes=client.V1ResourceAttributes(
-                namespace=namespace, verb="patch", group="ray.io", resource="rayclusters"),
-        )))
+        client.V1SubjectAccessReview(
+            spec=client.V1SubjectAccessReviewSpec(
+                user=f"system:serviceaccount:{namespace}:default",
+                groups=["system:serviceaccounts", f"system:serviceaccounts:{namespace}"],
+                resource_attributes=client.V1ResourceAttributes(
+                    namespace=namespace, verb="patch", group="ray.io", resource="rayclusters"
+                ),
+            )
+        )
+    )
     assert review.status.allowed is False
 
 
@@ -266,7 +305,68 @@ def test_repo_crds_installed_and_examples_accepted(kube: Kube, namespace: str) -
         body = copy.deepcopy(doc)
         body["metadata"].pop("namespace", None)
         try:
-            kube.custom.create_namespaced_custom_object(group, version, namespace, "finetunejobs", body,
-                                                        dry_run="All")
+            kube.custom.create_namespaced_custom_object(group, version, namespace, "finetunejobs", body, dry_run="All")
         except ApiException as e:
             pytest.fail(f"examples/{fname} rejected by the apiserver: {e.body}")
+
+
+def test_rendered_example_accepted_by_apiserver_with_kuberay_crds(kube: Kube, namespace: str) -> None:
+    """What `finetune render` prints for the seed example passes the real apiserver's validation of KubeRay's
+    CRDs (server-side dry run: nothing is created)."""
+    example = REPO / "examples" / "qwen2.5-1.5b-g6-efa.yaml"
+    if not example.is_file():
+        pytest.skip(f"{example} not written yet")
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "finetune_operator.cli",
+            "render",
+            str(example),
+            "--namespace",
+            namespace,
+            "--progress-url",
+            "https://finetune-operator.finetune-system.svc:8443",
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert out.returncode == 0, out.stderr
+    objs = [d for d in yaml.safe_load_all(out.stdout) if d]
+    assert {o["kind"] for o in objs} >= {"RayJob"}
+    for obj in objs:
+        kind = obj["kind"]
+        try:
+            if kind == "RayJob":
+                kube.custom.create_namespaced_custom_object("ray.io", "v1", namespace, "rayjobs", obj, dry_run="All")
+            elif kind == "ConfigMap":
+                kube.core.create_namespaced_config_map(namespace, obj, dry_run="All")
+            else:
+                pytest.fail(f"no dry-run mapping for rendered kind {kind}")
+        except ApiException as e:
+            pytest.fail(f"rendered {kind} {obj['metadata']['name']} rejected: {e.body}")
+
+
+def test_job_pods_complete_and_job_succeeds(kube: Kube, namespace: str) -> None:
+    """The Job controller runs and kwok completes Job-owned pods (how a RayJob's submitter behaves here)."""
+    kube.batch.create_namespaced_job(
+        namespace,
+        client.V1Job(
+            metadata=client.V1ObjectMeta(name="once"),
+            spec=client.V1JobSpec(
+                backoff_limit=0,
+                template=client.V1PodTemplateSpec(
+                    spec=client.V1PodSpec(
+                        restart_policy="Never",
+                        containers=[client.V1Container(name="c", image="busybox", command=["true"])],
+                    )
+                ),
+            ),
+        ),
+    )
+    wait_for(
+        "Job 'once' succeeded",
+        lambda: (kube.batch.read_namespaced_job_status("once", namespace).status.succeeded or 0) == 1,
+        timeout=60,
+    )

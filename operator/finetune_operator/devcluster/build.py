@@ -30,6 +30,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -148,7 +149,7 @@ def _lock() -> Iterator[None]:
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def _ldflags(comp: Component, info: dict) -> str:
+def _ldflags(comp: Component, info: dict[str, Any]) -> str:
     flags = ["-s", "-w"]  # no symbol table / DWARF: links much faster, binaries ~30% smaller
     if comp.name == "kubernetes":
         # What hack/lib/version.sh sets: components read their own version (and derive the emulated
@@ -198,9 +199,7 @@ def _build_one(comp: Component, go: str, go_version: str, log: Log) -> float:
         shutil.copyfile(TOOLS_DIR / comp.name / name, src / name)
     logfile = cache_dir() / "bin" / f"{comp.key}.build.log"
     env = _go_env()
-    dl = subprocess.run(
-        [go, "mod", "download", "-json", comp.module], cwd=src, env=env, capture_output=True, text=True
-    )
+    dl = subprocess.run([go, "mod", "download", "-json", comp.module], cwd=src, env=env, capture_output=True, text=True)
     if dl.returncode != 0:
         raise BuildError(f"{comp.name}: go mod download {comp.module} failed:\n{dl.stdout}{dl.stderr}")
     info = json.loads(dl.stdout)
@@ -292,5 +291,5 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # prefer `python -m finetune_operator.devcluster.cli build`
     sys.exit(main())

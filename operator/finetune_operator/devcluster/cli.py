@@ -17,31 +17,42 @@ from .cluster import DevCluster, DevClusterError, default_workdir
 
 def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:  # type: ignore[type-arg]
     """Add the ``dev-cluster`` command; it sets ``func`` (``func(args) -> int``) on the namespace."""
-    p = subparsers.add_parser(
+    p: argparse.ArgumentParser = subparsers.add_parser(
         "dev-cluster",
         help="local Kubernetes control plane + KubeRay + simulated GPU/EFA nodes (no Docker, no cloud)",
         description="A real kube-apiserver/etcd/scheduler/controller-manager, the KubeRay operator and "
         "kwok-simulated EKS nodes, built from Go modules and run as local processes.",
     )
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--workdir", type=Path, default=None,
-                        help="state, certificates, logs (default $FINETUNE_DEVCLUSTER_DIR or "
-                        f"{default_workdir()})")
+    common.add_argument(
+        "--workdir",
+        type=Path,
+        default=None,
+        help=f"state, certificates, logs (default $FINETUNE_DEVCLUSTER_DIR or {default_workdir()})",
+    )
     sub = p.add_subparsers(dest="dev_cluster_command", metavar="{up,down,status,kubeconfig,build}")
     sub.required = True
-    up = sub.add_parser("up", parents=[common], help="build what is missing, start everything, wait until nodes are Ready")
+    up = sub.add_parser(
+        "up", parents=[common], help="build what is missing, start everything, wait until nodes are Ready"
+    )
     up.add_argument("--nodes", type=int, default=2, help="simulated GPU nodes (default 2)")
     up.add_argument("--instance-type", default="g6.12xlarge", help="GPU node instance type")
     up.add_argument("--cpu-instance-type", default="m5.2xlarge", help="instance type of the Ray head node")
-    up.add_argument("--crds", type=Path, action="append", default=None,
-                    help="directory of CRD YAMLs to install (repeatable; default: the checkout's crds/)")
+    up.add_argument(
+        "--crds",
+        type=Path,
+        action="append",
+        default=None,
+        help="directory of CRD YAMLs to install (repeatable; default: the checkout's crds/)",
+    )
     up.add_argument("--timeout", type=float, default=180, help="seconds to wait for readiness")
     sub.add_parser("down", parents=[common], help="stop every component (idempotent); logs are kept")
     st = sub.add_parser("status", parents=[common], help="components, apiserver health, nodes (exit 1 if not running)")
     st.add_argument("--json", action="store_true")
     sub.add_parser("kubeconfig", parents=[common], help="print the admin kubeconfig path")
     b = sub.add_parser("build", parents=[common], help="only build the binaries (cached under $FINETUNE_CACHE_DIR)")
-    b.add_argument("--force", action="store_true")
+    b.add_argument("components", nargs="*", help="subset of kubernetes, etcd, kuberay, kwok (default: all)")
+    b.add_argument("--force", action="store_true", help="rebuild even if cached")
     p.set_defaults(func=run)
     return p
 
@@ -49,11 +60,17 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     cmd = args.dev_cluster_command
     if cmd == "build":
-        return build.main(["--force"] if args.force else [])
+        return build.main([*args.components, *(["--force"] if args.force else [])])
     log = lambda msg: print(msg, file=sys.stderr)  # noqa: E731  (stdout stays clean for `kubeconfig`)
     if cmd == "up":
-        cluster = DevCluster(args.workdir, nodes=args.nodes, instance_type=args.instance_type,
-                             cpu_instance_type=args.cpu_instance_type, crd_dirs=args.crds, log=log)
+        cluster = DevCluster(
+            args.workdir,
+            nodes=args.nodes,
+            instance_type=args.instance_type,
+            cpu_instance_type=args.cpu_instance_type,
+            crd_dirs=args.crds,
+            log=log,
+        )
         try:
             cluster.up(timeout=args.timeout)
         except (DevClusterError, build.BuildError) as e:

@@ -93,9 +93,12 @@ def _proc_start_time(pid: int) -> int | None:
 
 
 def _set_pdeathsig() -> None:
-    """Child side: get SIGTERM when the parent dies (so a killed test run leaves no processes)."""
+    """Child side: get SIGKILL when the parent dies (so a killed test run leaves no processes).
+
+    SIGKILL, not SIGTERM: a terminating kube-apiserver waits for etcd, a terminating etcd for the
+    apiserver's connections; together they linger ~20s. The cluster is throwaway anyway."""
     libc = ctypes.CDLL("libc.so.6", use_errno=True)
-    libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
 def _tail(path: Path, lines: int = 30) -> str:
@@ -121,8 +124,9 @@ class _Api:
         self.ctx = ssl.create_default_context(cafile=str(keys.ca_crt))
         self.ctx.load_cert_chain(str(keys.admin_crt), str(keys.admin_key))
 
-    def request(self, method: str, path: str, body: Any = None, content_type: str = "application/json",
-                timeout: float = 30) -> Any:
+    def request(
+        self, method: str, path: str, body: Any = None, content_type: str = "application/json", timeout: float = 30
+    ) -> Any:
         data = None if body is None else json.dumps(body).encode()
         req = urllib.request.Request(self.server + path, data=data, method=method)
         req.add_header("Accept", "application/json")
@@ -183,7 +187,7 @@ class DevCluster:
         return self.workdir / "state.json"
 
     @property
-    def pki(self) -> pki.Pki:
+    def certs(self) -> pki.Pki:
         return pki.Pki(self.workdir / "pki")
 
     def _state(self) -> dict[str, Any]:
@@ -201,7 +205,7 @@ class DevCluster:
         server = self._state().get("server")
         if not server:
             raise DevClusterError(f"no dev cluster state in {self.workdir}; run up() first")
-        return _Api(server, self.pki)
+        return _Api(server, self.certs)
 
     # ---- lifecycle ---------------------------------------------------------------------------------
     def is_running(self) -> bool:
@@ -233,92 +237,144 @@ class DevCluster:
         keys = pki.generate(self.workdir / "pki", SERVICE_IP)
         ports = {n: _free_port() for n in ("etcd", "etcd-peer", "apiserver", "kcm", "scheduler", "ray-probe")}
         server = f"https://127.0.0.1:{ports['apiserver']}"
-        self._save_state({"server": server, "ports": ports, "processes": {}, "phase": "starting",
-                          "kubeconfig": str(self.kubeconfig)})
+        self._save_state(
+            {"server": server, "ports": ports, "processes": {}, "phase": "starting", "kubeconfig": str(self.kubeconfig)}
+        )
         self._write_kubeconfig(server, keys)
         kc = str(self.kubeconfig)
         etcd_url = f"http://127.0.0.1:{ports['etcd']}"
         peer_url = f"http://127.0.0.1:{ports['etcd-peer']}"
 
-        self._spawn("etcd", [
-            str(bins["etcd"]), "--name=default", f"--data-dir={self.workdir / 'etcd'}",
-            f"--listen-client-urls={etcd_url}", f"--advertise-client-urls={etcd_url}",
-            f"--listen-peer-urls={peer_url}", f"--initial-advertise-peer-urls={peer_url}",
-            f"--initial-cluster=default={peer_url}", "--unsafe-no-fsync", "--log-level=warn",
-        ])
-        self._wait("etcd healthy", lambda: self._http_json(f"{etcd_url}/health").get("health") == "true",
-                   deadline)
+        self._spawn(
+            "etcd",
+            [
+                str(bins["etcd"]),
+                "--name=default",
+                f"--data-dir={self.workdir / 'etcd'}",
+                f"--listen-client-urls={etcd_url}",
+                f"--advertise-client-urls={etcd_url}",
+                f"--listen-peer-urls={peer_url}",
+                f"--initial-advertise-peer-urls={peer_url}",
+                f"--initial-cluster=default={peer_url}",
+                "--unsafe-no-fsync",
+                "--log-level=warn",
+            ],
+        )
+        self._wait("etcd healthy", lambda: self._http_json(f"{etcd_url}/health").get("health") == "true", deadline)
 
-        self._spawn("kube-apiserver", [
-            str(bins["kube-apiserver"]),
-            f"--etcd-servers={etcd_url}",
-            "--bind-address=127.0.0.1", "--advertise-address=127.0.0.1",
-            # 1.37 refuses a loopback advertise address for the endpoints of the `kubernetes` Service;
-            # nothing in the dev cluster reaches the apiserver through that Service.
-            "--endpoint-reconciler-type=none",
-            f"--secure-port={ports['apiserver']}",
-            f"--cert-dir={self.workdir / 'certs'}",
-            f"--tls-cert-file={keys.serving_crt}", f"--tls-private-key-file={keys.serving_key}",
-            f"--client-ca-file={keys.ca_crt}",
-            "--authorization-mode=RBAC",
-            f"--service-account-issuer={server}",
-            f"--service-account-key-file={keys.sa_pub}",
-            f"--service-account-signing-key-file={keys.sa_key}",
-            f"--service-cluster-ip-range={SERVICE_CIDR}",
-            "--allow-privileged=true",
-            "--enable-priority-and-fairness=false",
-            "--profiling=false",
-        ])
+        self._spawn(
+            "kube-apiserver",
+            [
+                str(bins["kube-apiserver"]),
+                f"--etcd-servers={etcd_url}",
+                "--bind-address=127.0.0.1",
+                "--advertise-address=127.0.0.1",
+                # 1.37 refuses a loopback advertise address for the endpoints of the `kubernetes` Service;
+                # nothing in the dev cluster reaches the apiserver through that Service.
+                "--endpoint-reconciler-type=none",
+                f"--secure-port={ports['apiserver']}",
+                f"--cert-dir={self.workdir / 'certs'}",
+                f"--tls-cert-file={keys.serving_crt}",
+                f"--tls-private-key-file={keys.serving_key}",
+                f"--client-ca-file={keys.ca_crt}",
+                "--authorization-mode=RBAC",
+                f"--service-account-issuer={server}",
+                f"--service-account-key-file={keys.sa_pub}",
+                f"--service-account-signing-key-file={keys.sa_key}",
+                f"--service-cluster-ip-range={SERVICE_CIDR}",
+                "--allow-privileged=true",
+                "--enable-priority-and-fairness=false",
+                "--profiling=false",
+            ],
+        )
         api = _Api(server, keys)
         self._wait("kube-apiserver ready", lambda: api.get("/readyz") == "ok", deadline)
 
-        common = [f"--kubeconfig={kc}", f"--authentication-kubeconfig={kc}",
-                  f"--authorization-kubeconfig={kc}", "--leader-elect=false", "--bind-address=127.0.0.1",
-                  "--profiling=false"]
-        self._spawn("kube-controller-manager", [
-            str(bins["kube-controller-manager"]), *common,
-            f"--secure-port={ports['kcm']}", f"--cert-dir={self.workdir / 'certs' / 'kcm'}",
-            f"--service-account-private-key-file={keys.sa_key}",
-            f"--root-ca-file={keys.ca_crt}",
-            f"--cluster-signing-cert-file={keys.ca_crt}", f"--cluster-signing-key-file={keys.ca_key}",
-            f"--service-cluster-ip-range={SERVICE_CIDR}",
-            "--cluster-name=finetune-dev",
-            "--controllers=*",
-        ])
-        self._spawn("kube-scheduler", [
-            str(bins["kube-scheduler"]), *common,
-            f"--secure-port={ports['scheduler']}", f"--cert-dir={self.workdir / 'certs' / 'scheduler'}",
-        ])
-        self._spawn("kwok", [
-            str(bins["kwok"]), f"--kubeconfig={kc}",
-            *[f"--config={p}" for p in build.kwok_stages()],
-            f"--manage-nodes-with-annotation-selector={nodes.KWOK_ANNOTATION}=fake",
-            "--node-lease-duration-seconds=40",
-            f"--cidr={POD_CIDR}",
-        ])
+        common = [
+            f"--kubeconfig={kc}",
+            f"--authentication-kubeconfig={kc}",
+            f"--authorization-kubeconfig={kc}",
+            "--leader-elect=false",
+            "--bind-address=127.0.0.1",
+            "--profiling=false",
+        ]
+        self._spawn(
+            "kube-controller-manager",
+            [
+                str(bins["kube-controller-manager"]),
+                *common,
+                f"--secure-port={ports['kcm']}",
+                f"--cert-dir={self.workdir / 'certs' / 'kcm'}",
+                f"--service-account-private-key-file={keys.sa_key}",
+                f"--root-ca-file={keys.ca_crt}",
+                f"--cluster-signing-cert-file={keys.ca_crt}",
+                f"--cluster-signing-key-file={keys.ca_key}",
+                f"--service-cluster-ip-range={SERVICE_CIDR}",
+                "--cluster-name=finetune-dev",
+                "--controllers=*",
+            ],
+        )
+        self._spawn(
+            "kube-scheduler",
+            [
+                str(bins["kube-scheduler"]),
+                *common,
+                f"--secure-port={ports['scheduler']}",
+                f"--cert-dir={self.workdir / 'certs' / 'scheduler'}",
+            ],
+        )
+        self._spawn(
+            "kwok",
+            [
+                str(bins["kwok"]),
+                f"--kubeconfig={kc}",
+                *[f"--config={p}" for p in build.kwok_stages()],
+                f"--manage-nodes-with-annotation-selector={nodes.KWOK_ANNOTATION}=fake",
+                "--node-lease-duration-seconds=40",
+                f"--cidr={POD_CIDR}",
+            ],
+        )
 
         self._install_crds(api, deadline)
-        self._spawn("ray-operator", [
-            str(bins["ray-operator"]), f"--kubeconfig={kc}", "--enable-leader-election=false",
-            "--metrics-addr=0", f"--health-probe-bind-address=127.0.0.1:{ports['ray-probe']}",
-            "--log-stdout-encoder=console",
-        ])
+        self._spawn(
+            "ray-operator",
+            [
+                str(bins["ray-operator"]),
+                f"--kubeconfig={kc}",
+                "--enable-leader-election=false",
+                "--metrics-addr=0",
+                f"--health-probe-bind-address=127.0.0.1:{ports['ray-probe']}",
+                "--log-stdout-encoder=console",
+            ],
+        )
 
         for i in range(self.gpu_nodes):
             self._create_node(api, f"gpu-node-{i}", self.instance_type, GPU_NODEGROUP)
         self._create_node(api, "cpu-node-0", self.cpu_instance_type, CPU_NODEGROUP)
 
         self._wait("nodes Ready", lambda: self._nodes_ready(api), deadline)
-        self._wait("kube-scheduler healthy",
-                   lambda: self._https_ok(f"https://127.0.0.1:{ports['scheduler']}/healthz"), deadline)
-        self._wait("kube-controller-manager healthy",
-                   lambda: self._https_ok(f"https://127.0.0.1:{ports['kcm']}/healthz"), deadline)
+        self._wait(
+            "kube-scheduler healthy",
+            lambda: self._https_ok(f"https://127.0.0.1:{ports['scheduler']}/healthz"),
+            deadline,
+        )
+        self._wait(
+            "kube-controller-manager healthy",
+            lambda: self._https_ok(f"https://127.0.0.1:{ports['kcm']}/healthz"),
+            deadline,
+        )
         # The service-account controller (in the controller manager) creates "default" in every
         # namespace; pods cannot be admitted before it exists.
-        self._wait("default ServiceAccount",
-                   lambda: bool(api.get("/api/v1/namespaces/default/serviceaccounts/default")), deadline)
-        self._wait("ray-operator ready",
-                   lambda: self._http_text(f"http://127.0.0.1:{ports['ray-probe']}/readyz") == "ok", deadline)
+        self._wait(
+            "default ServiceAccount",
+            lambda: bool(api.get("/api/v1/namespaces/default/serviceaccounts/default")),
+            deadline,
+        )
+        self._wait(
+            "ray-operator ready",
+            lambda: self._http_text(f"http://127.0.0.1:{ports['ray-probe']}/readyz") == "ok",
+            deadline,
+        )
         state = self._state()
         state["phase"] = "ready"
         self._save_state(state)
@@ -382,8 +438,11 @@ class DevCluster:
                 api = self._api()
                 out["apiserver"] = api.get("/readyz")
                 out["nodes"] = [
-                    {"name": n["metadata"]["name"], "ready": self._node_ready(n),
-                     "instanceType": n["metadata"]["labels"].get("node.kubernetes.io/instance-type")}
+                    {
+                        "name": n["metadata"]["name"],
+                        "ready": self._node_ready(n),
+                        "instanceType": n["metadata"]["labels"].get("node.kubernetes.io/instance-type"),
+                    }
                     for n in api.get("/api/v1/nodes")["items"]
                 ]
             except (OSError, urllib.error.URLError, DevClusterError) as e:
@@ -391,8 +450,7 @@ class DevCluster:
         return out
 
     # ---- nodes -------------------------------------------------------------------------------------
-    def add_gpu_node(self, name: str | None = None, instance_type: str | None = None,
-                     wait_ready: float = 60) -> str:
+    def add_gpu_node(self, name: str | None = None, instance_type: str | None = None, wait_ready: float = 60) -> str:
         """Add one more simulated GPU/EFA node (default: the cluster's GPU instance type); returns its name
         once kwok reports it Ready."""
         api = self._api()
@@ -401,8 +459,7 @@ class DevCluster:
             name = next(f"gpu-node-{i}" for i in range(len(existing) + 1) if f"gpu-node-{i}" not in existing)
         self._create_node(api, name, instance_type or self.instance_type, GPU_NODEGROUP, index=len(existing))
         deadline = time.monotonic() + wait_ready
-        self._wait(f"node {name} Ready",
-                   lambda: self._node_ready(api.get(f"/api/v1/nodes/{name}")), deadline)
+        self._wait(f"node {name} Ready", lambda: self._node_ready(api.get(f"/api/v1/nodes/{name}")), deadline)
         return name
 
     def delete_node(self, name: str) -> None:
@@ -418,27 +475,32 @@ class DevCluster:
         for pod in api.get(f"/api/v1/pods?{q}")["items"]:
             meta = pod["metadata"]
             try:
-                api.request("DELETE", f"/api/v1/namespaces/{meta['namespace']}/pods/{meta['name']}",
-                            {"gracePeriodSeconds": 0})
+                api.request(
+                    "DELETE", f"/api/v1/namespaces/{meta['namespace']}/pods/{meta['name']}", {"gracePeriodSeconds": 0}
+                )
             except urllib.error.HTTPError as e:
                 if e.code != 404:
                     raise
 
-    def _create_node(self, api: _Api, name: str, instance_type: str, nodegroup: str,
-                     index: int | None = None) -> None:
+    def _create_node(self, api: _Api, name: str, instance_type: str, nodegroup: str, index: int | None = None) -> None:
         if index is None:
             index = len(api.get("/api/v1/nodes")["items"])
         manifest = nodes.node_manifest(name, instance_type, nodegroup, index, KUBERNETES_VERSION)
         api.request("POST", "/api/v1/nodes", manifest)
         # Status is kept on create, but set it again through the subresource so it holds whatever the
         # create strategy does in future versions.
-        api.request("PATCH", f"/api/v1/nodes/{name}/status", {"status": manifest["status"]},
-                    content_type="application/merge-patch+json")
+        api.request(
+            "PATCH",
+            f"/api/v1/nodes/{name}/status",
+            {"status": manifest["status"]},
+            content_type="application/merge-patch+json",
+        )
 
     @staticmethod
     def _node_ready(node: dict[str, Any]) -> bool:
-        return any(c["type"] == "Ready" and c["status"] == "True"
-                   for c in node.get("status", {}).get("conditions") or [])
+        return any(
+            c["type"] == "Ready" and c["status"] == "True" for c in node.get("status", {}).get("conditions") or []
+        )
 
     def _nodes_ready(self, api: _Api) -> bool:
         items = api.get("/api/v1/nodes")["items"]
@@ -465,10 +527,16 @@ class DevCluster:
             except urllib.error.HTTPError as e:
                 if e.code != 409:
                     raise DevClusterError(
-                        f"the apiserver rejected CRD {doc['metadata']['name']}: {_status_message(e)}") from None
+                        f"the apiserver rejected CRD {doc['metadata']['name']}: {_status_message(e)}"
+                    ) from None
                 q = urllib.parse.urlencode({"fieldManager": FIELD_MANAGER, "force": "true"})
-                api.request("PATCH", f"{base}/{doc['metadata']['name']}?{q}", doc,
-                            content_type="application/apply-patch+yaml", timeout=120)
+                api.request(
+                    "PATCH",
+                    f"{base}/{doc['metadata']['name']}?{q}",
+                    doc,
+                    content_type="application/apply-patch+yaml",
+                    timeout=120,
+                )
 
         with ThreadPoolExecutor(max_workers=4) as pool:
             list(pool.map(create, docs))
@@ -491,8 +559,13 @@ class DevCluster:
             logf.write(f"$ {' '.join(args)}\n".encode())
             logf.flush()
             p = subprocess.Popen(
-                args, stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT, cwd=self.workdir,
-                env=env, start_new_session=True,
+                args,
+                stdin=subprocess.DEVNULL,
+                stdout=logf,
+                stderr=subprocess.STDOUT,
+                cwd=self.workdir,
+                env=env,
+                start_new_session=True,
                 preexec_fn=_set_pdeathsig if self.die_with_parent else None,
             )
         self._popen[name] = p
@@ -568,13 +641,18 @@ class DevCluster:
         cfg = {
             "apiVersion": "v1",
             "kind": "Config",
-            "clusters": [{"name": "finetune-dev",
-                          "cluster": {"server": server, "certificate-authority-data": b64(keys.ca_crt)}}],
-            "users": [{"name": "finetune-dev-admin",
-                       "user": {"client-certificate-data": b64(keys.admin_crt),
-                                "client-key-data": b64(keys.admin_key)}}],
-            "contexts": [{"name": "finetune-dev",
-                          "context": {"cluster": "finetune-dev", "user": "finetune-dev-admin"}}],
+            "clusters": [
+                {"name": "finetune-dev", "cluster": {"server": server, "certificate-authority-data": b64(keys.ca_crt)}}
+            ],
+            "users": [
+                {
+                    "name": "finetune-dev-admin",
+                    "user": {"client-certificate-data": b64(keys.admin_crt), "client-key-data": b64(keys.admin_key)},
+                }
+            ],
+            "contexts": [
+                {"name": "finetune-dev", "context": {"cluster": "finetune-dev", "user": "finetune-dev-admin"}}
+            ],
             "current-context": "finetune-dev",
         }
         self.kubeconfig.write_text(yaml.safe_dump(cfg, sort_keys=False))

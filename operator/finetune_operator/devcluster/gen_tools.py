@@ -19,6 +19,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 from .versions import COMPONENTS, Component
 
@@ -32,12 +33,12 @@ def _go() -> str:
     return find_go()
 
 
-def _go_json(args: list[str], cwd: Path | None = None) -> dict:
+def _go_json(args: list[str], cwd: Path | None = None) -> dict[str, Any]:
     out = subprocess.run([_go(), *args], check=True, capture_output=True, text=True, cwd=cwd).stdout
-    return json.loads(out)
+    return dict(json.loads(out))
 
 
-def staging_replaces(modfile: dict, version: str) -> list[tuple[str, str]]:
+def staging_replaces(modfile: dict[str, Any], version: str) -> list[tuple[str, str]]:
     """``k8s.io/x => ./staging/src/k8s.io/x`` lines of a kubernetes go.mod, as (module, published version).
 
     Only modules the kubernetes module actually requires are kept: a few staging modules (the samples)

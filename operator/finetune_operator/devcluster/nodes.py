@@ -93,8 +93,9 @@ SHAPES: dict[str, Shape] = {
 }
 
 
-def node_manifest(name: str, instance_type: str, nodegroup: str, index: int,
-                  kubelet_version: str = "v1.37.2") -> dict[str, Any]:
+def node_manifest(
+    name: str, instance_type: str, nodegroup: str, index: int, kubelet_version: str = "v1.37.2"
+) -> dict[str, Any]:
     """A Node as an EKS managed node group would register it, with status filled in for kwok."""
     try:
         shape = SHAPES[instance_type]
