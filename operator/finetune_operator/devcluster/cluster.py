@@ -220,13 +220,21 @@ class DevCluster:
         self.down(quiet=True)  # leftovers of a crashed run
         bins = build.ensure_built(log=self.log)
         start = time.monotonic()
-        deadline = start + timeout
-        try:
-            self._start(bins, deadline)
-        except BaseException:
-            self.log(f"[dev-cluster] start failed; logs in {self.logs_dir}")
-            self.down(quiet=True)
-            raise
+        for attempt in (1, 2):
+            try:
+                self._start(bins, start + timeout)
+                break
+            except DevClusterError as e:
+                self.down(quiet=True)
+                # Ports are picked free but bound later by the component: rarely someone else wins.
+                if attempt == 1 and "address already in use" in str(e):
+                    self.log("[dev-cluster] a port was taken meanwhile; starting again")
+                    continue
+                self.log(f"[dev-cluster] start failed; logs in {self.logs_dir}")
+                raise
+            except BaseException:
+                self.down(quiet=True)
+                raise
         self.log(f"[dev-cluster] up in {time.monotonic() - start:.1f}s; kubeconfig {self.kubeconfig}")
 
     def _start(self, bins: dict[str, Path], deadline: float) -> None:
