@@ -1,0 +1,111 @@
+"""Pure parts of the dev cluster: Go wrapper generation, node shapes, certificates, binary lookup."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import ssl
+import subprocess
+from pathlib import Path
+
+import pytest
+from finetune_operator.devcluster import build, gen_tools, nodes, pki
+from finetune_operator.devcluster.versions import COMPONENTS, KUBERNETES_VERSION
+
+TOOLS = Path(gen_tools.__file__).parent / "tools"
+
+
+def test_staging_replaces_keep_only_required_staging_modules() -> None:
+    modfile = {
+        "Require": [{"Path": "k8s.io/api"}, {"Path": "k8s.io/client-go"}, {"Path": "github.com/x/y"}],
+        "Replace": [
+            {"Old": {"Path": "k8s.io/api"}, "New": {"Path": "./staging/src/k8s.io/api"}},
+            {"Old": {"Path": "k8s.io/client-go"}, "New": {"Path": "./staging/src/k8s.io/client-go"}},
+            {"Old": {"Path": "k8s.io/sample-controller"}, "New": {"Path": "./staging/src/k8s.io/sample-controller"}},
+            {"Old": {"Path": "github.com/x/y"}, "New": {"Path": "github.com/x/y", "Version": "v1.0.0"}},
+        ],
+    }
+    assert gen_tools.staging_replaces(modfile, "v1.37.2") == [
+        ("k8s.io/api", "v0.37.2"),
+        ("k8s.io/client-go", "v0.37.2"),
+    ]
+
+
+@pytest.mark.parametrize("name", sorted(COMPONENTS), ids=sorted(COMPONENTS))
+def test_committed_wrapper_module_matches_versions(name: str) -> None:
+    comp = COMPONENTS[name]
+    gomod = (TOOLS / name / "go.mod").read_text()
+    assert f"\t{comp.module} {comp.version}" in gomod
+    for pkg in comp.binaries:  # `tool pkg` or a line of a `tool (...)` block
+        assert re.search(rf"^(tool |\t){re.escape(pkg)}$", gomod, re.M), pkg
+    assert (TOOLS / name / "go.sum").stat().st_size > 0
+
+
+def test_kubernetes_wrapper_replaces_staging_with_published_versions() -> None:
+    gomod = (TOOLS / "kubernetes" / "go.mod").read_text()
+    published = "v0" + KUBERNETES_VERSION[KUBERNETES_VERSION.index(".") :]
+    for mod in ("k8s.io/api", "k8s.io/apiserver", "k8s.io/client-go", "k8s.io/component-base"):
+        assert f"\t{mod} => {mod} {published}\n" in gomod
+
+
+@pytest.mark.parametrize(
+    ("instance_type", "cpu", "memory", "gpus", "efa", "hugepages", "taints"),
+    [
+        ("g6.12xlarge", "47810m", "189923Mi", "4", "1", "5120Mi", 2),
+        ("m5.2xlarge", "7910m", "31203Mi", None, None, "0Mi", 0),
+    ],
+    ids=["gpu-efa", "cpu"],
+)
+def test_node_shape(
+    instance_type: str, cpu: str, memory: str, gpus: str | None, efa: str | None, hugepages: str, taints: int
+) -> None:
+    node = nodes.node_manifest("n", instance_type, "group", 0)
+    alloc = node["status"]["allocatable"]
+    assert (alloc["cpu"], alloc["memory"], alloc["hugepages-2Mi"], alloc["pods"]) == (cpu, memory, hugepages, "110")
+    assert alloc.get("nvidia.com/gpu") == gpus
+    assert alloc.get("vpc.amazonaws.com/efa") == efa
+    assert len(node["spec"]["taints"]) == taints
+    labels = node["metadata"]["labels"]
+    assert labels["node.kubernetes.io/instance-type"] == instance_type
+    assert labels["topology.kubernetes.io/zone"] == nodes.ZONE
+    assert node["metadata"]["annotations"][nodes.KWOK_ANNOTATION] == "fake"
+
+
+def test_unknown_instance_type_is_a_clear_error() -> None:
+    with pytest.raises(ValueError, match="unknown instance type 'x1.huge'"):
+        nodes.node_manifest("n", "x1.huge", "group", 0)
+
+
+@pytest.mark.parametrize("backend", ["cryptography", "openssl"])
+def test_certificates_chain_to_the_ca(backend: str, tmp_path: Path) -> None:
+    if backend == "openssl":
+        if shutil.which("openssl") is None:
+            pytest.skip("no openssl")
+        keys = pki.Pki(tmp_path)
+        pki._generate_openssl(keys, ["localhost"], ["127.0.0.1", "10.96.0.1"])
+    else:
+        pytest.importorskip("cryptography")
+        keys = pki.generate(tmp_path, "10.96.0.1")
+    ctx = ssl.create_default_context(cafile=str(keys.ca_crt))
+    ctx.load_cert_chain(str(keys.admin_crt), str(keys.admin_key))  # key matches certificate
+    if shutil.which("openssl"):
+        for crt in (keys.serving_crt, keys.admin_crt):
+            out = subprocess.run(
+                ["openssl", "verify", "-CAfile", str(keys.ca_crt), str(crt)], capture_output=True, text=True
+            )
+            assert out.returncode == 0, out.stdout + out.stderr
+    assert keys.sa_pub.read_text().startswith("-----BEGIN PUBLIC KEY-----")
+
+
+def test_kubebuilder_assets_win_for_complete_components(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    assets = tmp_path / "assets"
+    assets.mkdir()
+    for name in ("kube-apiserver", "etcd"):  # an envtest bundle: no controller-manager/scheduler
+        (assets / name).write_text("#!/bin/sh\n")
+        (assets / name).chmod(0o755)
+    monkeypatch.setenv("KUBEBUILDER_ASSETS", str(assets))
+    monkeypatch.setenv("FINETUNE_CACHE_DIR", str(tmp_path / "cache"))
+    bins = build.binaries()
+    assert bins["etcd"] == assets / "etcd"
+    assert bins["kube-apiserver"].parent.name == f"kubernetes-{KUBERNETES_VERSION}"  # not mixed with cached ones
+    assert set(build.missing()) == {"kubernetes", "kuberay", "kwok"}
