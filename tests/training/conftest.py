@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import socket
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -61,3 +63,15 @@ def prompt_completion_records(n: int = 120) -> list[dict[str, str]]:
         a, b = 10 + i % 50, 20 + (i * 7) % 60
         out.append({"prompt": f"Question: What is {a} plus {b}?\nAnswer: ", "completion": f"{a} + {b} = {a + b}"})
     return out
+
+
+@pytest.fixture(scope="module")
+def process_group() -> Iterator[None]:
+    import torch.distributed as dist
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()

@@ -5,8 +5,6 @@ FSDP2 runs here in a one-rank gloo process group (the 2-rank case is covered by 
 
 from __future__ import annotations
 
-import socket
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -15,18 +13,6 @@ from finetune_operator.api.spec import DType, FSDPSpec, ModelSpec, Precision, Tr
 from finetune_training import checkpoint as ckpt
 from finetune_training import modelio, optim
 from finetune_training.parallel import apply_fsdp, build_mesh, mesh_shape
-
-
-@pytest.fixture(scope="module")
-def process_group() -> Iterator[None]:
-    import torch.distributed as dist
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def sharded(model_dir: Path, strategy: str = "full") -> tuple[Any, Any, Any]:

@@ -106,3 +106,13 @@ def test_combine_flags_any_unhealthy_rank() -> None:
     bad = NetworkHealth(transport="socket", healthy=False, message="EFA expected but NCCL uses socket")
     h = N._combine([ok, bad], ok)
     assert h.healthy is False and h.transport == "mixed:efa,socket" and h.message.startswith("rank 1:")
+
+
+def test_run_probe_on_cpu_reports_gloo_and_fails_fast_when_efa_is_required(process_group: None) -> None:
+    import torch
+
+    h = N.run_probe(torch.device("cpu"), efa_expected=False, require_efa=False, nodes=1)
+    assert h.transport == "gloo" and h.healthy is True and h.bus_bandwidth_g_bps is None  # 1 rank: no busbw
+    with pytest.raises(N.NetworkProbeError, match=r"network.requireEFA: NCCL is not using EFA \(transport gloo") as e:
+        N.run_probe(torch.device("cpu"), efa_expected=True, require_efa=True, nodes=1)
+    assert e.value.health is not None and e.value.health.healthy is False
