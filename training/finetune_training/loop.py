@@ -11,6 +11,7 @@ import logging
 import math
 import os
 import shutil
+import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -104,7 +105,11 @@ class Trainer:
 
     def say(self, msg: str) -> None:
         if self.rank == 0:
-            print(f"{self.env.log_prefix()} {msg}", flush=True)
+            # Written to the process's stdout directly: Ray Train patches print() into its logger, which
+            # shows every line twice in the job log.
+            out = sys.__stdout__ or sys.stdout
+            out.write(f"{self.env.log_prefix()} {msg}\n")
+            out.flush()
 
     def probe(self) -> NetworkHealth:
         from .netprobe import run_probe
@@ -450,7 +455,6 @@ def train_func(config: dict[str, Any]) -> None:
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     trainer = Trainer(job, cfg, rank=ctx.get_world_rank(), world=ctx.get_world_size(),
                       local_rank=ctx.get_local_rank(), local_world=ctx.get_local_world_size(), device=device)
 
