@@ -20,9 +20,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from .. import instance_types as it
+
 REGION = "us-west-2"
 ZONE = "us-west-2a"
-MAX_PODS = 110
+MAX_PODS = it.MAX_PODS
 HUGEPAGES_2MI_MIB = 5120
 EPHEMERAL_STORAGE_GIB = 200
 KWOK_ANNOTATION = "kwok.x-k8s.io/node"
@@ -34,31 +36,39 @@ GPU_TAINTS = [
 
 @dataclass(frozen=True)
 class Shape:
-    instance_type: str
-    vcpu: int
-    memory_gib: int
-    gpus: int = 0
-    efa: int = 0
+    """A node of one instance type, from the operator's own table (one source of figures)."""
+
+    spec: it.InstanceType
 
     @property
-    def allocatable_cpu_millis(self) -> int:
-        reserved = 60.0 + (10.0 if self.vcpu > 1 else 0.0)
-        reserved += 5.0 * max(0, min(self.vcpu, 4) - 2)
-        reserved += 2.5 * max(0, self.vcpu - 4)
-        return int(self.vcpu * 1000 - reserved)
+    def instance_type(self) -> str:
+        return self.spec.name
+
+    @property
+    def gpus(self) -> int:
+        return self.spec.gpus
+
+    @property
+    def efa(self) -> int:
+        return self.spec.efa_interfaces
 
     @property
     def hugepages_mib(self) -> int:
         return HUGEPAGES_2MI_MIB if self.efa else 0
 
     @property
+    def allocatable_cpu_millis(self) -> int:
+        return self.spec.allocatable_cpu_millis
+
+    @property
     def allocatable_memory_mib(self) -> int:
-        return self.memory_gib * 1024 - (255 + 11 * MAX_PODS) - 100 - self.hugepages_mib
+        # Huge pages are carved out of the node's memory.
+        return self.spec.allocatable_memory_mib - self.hugepages_mib
 
     def capacity(self) -> dict[str, str]:
         out = {
-            "cpu": str(self.vcpu),
-            "memory": f"{self.memory_gib}Gi",
+            "cpu": str(self.spec.vcpu),
+            "memory": f"{self.spec.memory_gib}Gi",
             "pods": str(MAX_PODS),
             "ephemeral-storage": f"{EPHEMERAL_STORAGE_GIB}Gi",
             "hugepages-1Gi": "0",
@@ -78,19 +88,7 @@ class Shape:
         return out
 
 
-# Only what the dev cluster simulates; the operator's own table is finetune_operator.instance_types.
-SHAPES: dict[str, Shape] = {
-    s.instance_type: s
-    for s in [
-        Shape("g6.12xlarge", vcpu=48, memory_gib=192, gpus=4, efa=1),
-        Shape("g6.48xlarge", vcpu=192, memory_gib=768, gpus=8, efa=1),
-        Shape("g5.48xlarge", vcpu=192, memory_gib=768, gpus=8, efa=1),
-        Shape("p4d.24xlarge", vcpu=96, memory_gib=1152, gpus=8, efa=4),
-        Shape("p5.48xlarge", vcpu=192, memory_gib=2048, gpus=8, efa=32),
-        Shape("m5.2xlarge", vcpu=8, memory_gib=32),
-        Shape("m5.4xlarge", vcpu=16, memory_gib=64),
-    ]
-}
+SHAPES: dict[str, Shape] = {name: Shape(t) for name, t in it.INSTANCE_TYPES.items()}
 
 
 def node_manifest(
