@@ -1,6 +1,7 @@
 """Step time of the runtime's FSDP loop under Ray Train vs plain torchrun (2 CPU workers, gloo).
 
-    .venv/bin/python benchmarks/bench_ray_vs_torchrun.py [--steps 40] [--warmup 5] [--job examples/local-tiny.yaml]
+    .venv/bin/python benchmarks/bench_ray_vs_torchrun.py [--steps 40] [--warmup 5] [--repeats 3]
+                                                          [--job examples/local-tiny.yaml]
 
 Both sides run exactly the runtime's training step (`finetune_training.loop.Trainer.train_step`: FSDP2
 forward/backward over the job's packed data, grad clipping, AdamW, the loss all-reduce) on the same
@@ -105,6 +106,7 @@ def main() -> None:
     p.add_argument("--job", default=str(ROOT / "examples" / "local-tiny.yaml"))
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--repeats", type=int, default=1, help="alternating torchrun/Ray runs (figures pooled)")
     p.add_argument("--out")
     p.add_argument("--torchrun-worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -112,16 +114,25 @@ def main() -> None:
         torchrun_worker(args)
         return
     doc = load_doc(args.job)
+    t_torchrun: list[float] = []
+    t_ray: list[float] = []
+    pairs = []
     with tempfile.TemporaryDirectory() as tmp:
         job_file = Path(tmp) / "job.json"
         job_file.write_text(json.dumps(doc))
-        t_torchrun = run_torchrun(job_file, args.steps, args.warmup, Path(tmp) / "torchrun.json")
-        t_ray = run_ray(doc, args.steps, args.warmup, Path(tmp) / "ray.json")
+        for i in range(args.repeats):  # alternate, so machine-wide noise hits both sides alike
+            a = run_torchrun(job_file, args.steps, args.warmup, Path(tmp) / f"torchrun{i}.json")
+            b = run_ray(doc, args.steps, args.warmup, Path(tmp) / f"ray{i}.json")
+            t_torchrun += a
+            t_ray += b
+            pairs.append((statistics.median(a), statistics.median(b)))
     med_t, med_r = statistics.median(t_torchrun), statistics.median(t_ray)
     t = doc["spec"]["training"]
     print(f"job {Path(args.job).name}: 2 CPU ranks (gloo, 1 thread each), FSDP2 "
           f"{t['fsdp']['shardingStrategy']}, globalBatch {t['globalBatchSize']} x seq {t['sequenceLength']}, "
-          f"{args.steps} timed steps after {args.warmup} warm-up")
+          f"{args.steps} timed steps after {args.warmup} warm-up, {args.repeats} alternating run(s) each")
+    for i, (a, b) in enumerate(pairs):
+        print(f"  run {i + 1}: torchrun {a * 1000:.1f} ms, Ray Train {b * 1000:.1f} ms, ratio {b / a:.3f}x")
     print(f"torchrun  median step {med_t * 1000:8.1f} ms   (p10 {q(t_torchrun, 0.1) * 1000:.1f}, "
           f"p90 {q(t_torchrun, 0.9) * 1000:.1f})")
     print(f"Ray Train median step {med_r * 1000:8.1f} ms   (p10 {q(t_ray, 0.1) * 1000:.1f}, "
