@@ -140,6 +140,7 @@ def run_local(job: Any, storage: str, *, fresh: bool = False, max_failures: int 
     if hit:
         print(f"resuming from step {hit[0]} ({hit[1]})", file=out)
 
+    announced = f"resuming from step {hit[0]}" if hit else None  # said already; the workers confirm it
     bar = ProgressBar(stream=out)
     seen: dict[str, Any] = {}
 
@@ -153,7 +154,7 @@ def run_local(job: Any, storage: str, *, fresh: bool = False, max_failures: int 
             bar.finish()
         if report.phase:
             seen["phase"] = report.phase
-        if report.message and report.phase != "Done":
+        if report.message and report.phase != "Done" and report.message != announced:
             bar.update(ProgressReport(message=report.message))
         if report.training:
             bar.update(ProgressReport(training=report.training))
