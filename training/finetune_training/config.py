@@ -23,15 +23,3 @@ def load_job(path: str | Path) -> FinetuneJob:
             raise ValueError(f"{path}: expected exactly one YAML document, found {len(docs)}")
         doc = docs[0]
     return FinetuneJob.model_validate(doc)
-
-
-def job_from_dict(doc: dict[str, Any]) -> FinetuneJob:
-    return FinetuneJob.model_validate(doc)
-
-
-def default_storage(job: FinetuneJob) -> str:
-    """Where checkpoints and the exported model go: spec'd storage, else ./.work/<job name>."""
-    from finetune_operator.api.storage import resolve_in_pod
-
-    uri = job.spec.training.checkpoint.storage_uri or f"./.work/{job.metadata.name}"
-    return str(resolve_in_pod(uri))

@@ -72,13 +72,3 @@ def upload_dir(local_dir: str | Path, uri: str) -> None:
     fs.create_dir(path, recursive=True)
     pafs.copy_files(str(Path(local_dir).absolute()), path, source_filesystem=pafs.LocalFileSystem(),
                     destination_filesystem=fs)
-
-
-def delete_dir(uri: str) -> bool:
-    import pyarrow.fs as pafs
-
-    fs, path = filesystem(uri)
-    if fs.get_file_info(path).type == pafs.FileType.NotFound:
-        return False
-    fs.delete_dir(path)
-    return True
