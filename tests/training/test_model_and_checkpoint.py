@@ -69,8 +69,7 @@ def test_dtype_rules() -> None:
     assert modelio.load_dtype(DType.bfloat16, Precision.bf16, on_gpu=True) == torch.bfloat16
     with pytest.raises(ValueError, match="bf16 needs GPUs"):
         modelio.compute_dtype(Precision.bf16, on_gpu=False)
-    with pytest.raises(ValueError, match="fp16 is not supported"):
-        modelio.compute_dtype(Precision.fp16, on_gpu=True)
+    assert "fp16" not in {p.value for p in Precision}  # needs loss scaling; not offered by the API
 
 
 def test_missing_local_model_dir() -> None:

@@ -73,6 +73,16 @@ BAD = [
         "spec.cluster.envFrom[0].configMapRef",
         "exactly one",
     ),
+    ("fp16-not-offered", JobDoc().set("spec.training.precision", "fp16"), "spec.training.precision", "fp16"),
+    (
+        "bf16-on-cpu",
+        JobDoc()
+        .set("spec.cluster.workers.gpusPerWorker", 0)
+        .set("spec.network.efa", True)
+        .set("spec.training.precision", "bf16"),
+        "spec.training.precision",
+        "bf16 needs GPUs",
+    ),
     ("replicas-zero", JobDoc().set("spec.cluster.workers.replicas", 0), "spec.cluster.workers.replicas", "greater than or equal to 1"),
 ]
 

@@ -39,8 +39,6 @@ def compute_dtype(precision: Precision, on_gpu: bool) -> Any:
     """The dtype forward/backward run in."""
     import torch
 
-    if precision == Precision.fp16:
-        raise ValueError("spec.training.precision: fp16 is not supported by this runtime; use bf16 or fp32")
     if precision == Precision.fp32 or (precision == Precision.auto and not on_gpu):
         return torch.float32
     if not on_gpu:

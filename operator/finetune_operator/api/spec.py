@@ -90,8 +90,9 @@ class ModelSpec(SpecModel):
     dtype: DType = Field(
         default=DType.auto,
         description=(
-            "Dtype the weights are loaded in. `auto` follows spec.training.precision "
-            "(bfloat16 on GPU, float32 on CPU)."
+            "Dtype the weights are loaded and kept in. `auto` (recommended): float32 master weights, with "
+            "spec.training.precision choosing the compute dtype (bf16 mixed precision on GPU). `bfloat16`: "
+            "pure bf16 training (half the memory, less precise updates)."
         ),
     )
     trust_remote_code: bool = Field(
@@ -171,9 +172,9 @@ class Scheduler(str, Enum):
 
 
 class Precision(str, Enum):
+    # No fp16: it needs loss scaling, which the runtime does not do; bf16 is the GPU default.
     auto = "auto"
     bf16 = "bf16"
-    fp16 = "fp16"
     fp32 = "fp32"
 
 
@@ -268,7 +269,10 @@ class TrainingSpec(SpecModel):
     seed: int = Field(default=42, ge=0, description="Seed for data shuffling, eval split and initialisation.")
     precision: Precision = Field(
         default=Precision.auto,
-        description="Compute precision. `auto`: bf16 mixed precision on GPU, fp32 on CPU.",
+        description=(
+            "Compute precision. `auto`: bf16 mixed precision on GPU (bf16 compute, fp32 master weights and "
+            "optimizer state), fp32 on CPU. `bf16` needs GPUs."
+        ),
     )
     eval_interval_steps: int = Field(
         default=100, ge=1, description="Evaluate on the held-out split every this many steps (and at the end)."
@@ -520,6 +524,11 @@ class FinetuneJobSpec(SpecModel):
                     "fieldPath": ".training.checkpoint",
                 },
                 {
+                    "rule": "self.training.precision != 'bf16' || self.cluster.workers.gpusPerWorker > 0",
+                    "message": "training.precision bf16 needs GPUs (cluster.workers.gpusPerWorker > 0); use auto or fp32",
+                    "fieldPath": ".training.precision",
+                },
+                {
                     "rule": "!self.network.requireEFA || self.network.efa",
                     "message": "network.requireEFA needs network.efa: true",
                     "fieldPath": ".network.requireEFA",
@@ -566,6 +575,10 @@ class FinetuneJobSpec(SpecModel):
                 f"training.globalBatchSize: must be a multiple of training.microBatchSize x data-parallel "
                 f"ranks ({self.training.micro_batch_size} x {self.data_parallel_ranks} = {per_step}), "
                 f"got {self.training.global_batch_size}"
+            )
+        if self.training.precision == Precision.bf16 and self.cluster.workers.gpus_per_worker == 0:
+            raise ValueError(
+                "training.precision: bf16 needs GPUs (cluster.workers.gpusPerWorker > 0); use auto or fp32"
             )
         if self.cluster.workers.replicas > 1 and not self.training.checkpoint.storage_uri:
             raise ValueError(

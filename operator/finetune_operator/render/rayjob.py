@@ -176,6 +176,13 @@ def _env(job: s.FinetuneJob, cfg: RenderConfig, *, worker: bool) -> list[Obj]:
     if spec.model.hub_token_secret_ref:
         ref = spec.model.hub_token_secret_ref
         env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}})
+    if worker and spec.cluster.workers.gpus_per_worker:
+        # NCCL's init log goes to a per-process file the runtime's network probe parses (transport,
+        # provider, plugin version); INIT+NET carry the aws-ofi-nccl and "Using network" lines.
+        env += [
+            {"name": "NCCL_DEBUG_FILE", "value": "/tmp/finetune-nccl.%h.%p.log"},
+            {"name": "NCCL_DEBUG_SUBSYS", "value": "INIT,NET,ENV"},
+        ]
     if worker and spec.network.efa:
         inst = it.lookup(spec.cluster.instance_type)
         env += [
