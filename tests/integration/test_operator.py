@@ -296,3 +296,40 @@ def test_standby_replica_does_not_act(kube: Kube, namespace: str, operator: Oper
         assert holder.spec.holder_identity == operator.identity
     finally:
         standby.stop()
+
+
+@pytest.mark.slow
+def test_training_runtime_reports_through_the_progress_channel(kube: Kube, namespace: str, operator: OperatorProcess,
+                                                                tmp_path: Path) -> None:
+    """End to end without mocks: the real training entrypoint (`python -m finetune_training`, Ray + FSDP on
+    CPU) posts progress with a pod-bound, job-audience token to the running operator, and the FinetuneJob's
+    status (and `kubectl get ftj`) shows its step, loss and network transport."""
+    import os
+    import sys
+
+    import yaml as _yaml
+
+    create(kube, namespace, ftj("e2e"))
+    pod = wait_for("a worker pod", lambda: (p := worker_pods(kube, namespace, "e2e")) and p[0], timeout=90)
+    # kwok runs no kubelet, so nothing mounts the projected token; mint the same token the kubelet would.
+    token_file = tmp_path / "token"
+    token_file.write_text(_token(kube, namespace, pod, f"finetune.dev/progress/{namespace}/e2e"))
+    job = example("local-tiny.yaml")
+    job["metadata"] = {"name": "e2e", "namespace": namespace}
+    job["spec"]["training"].update(maxSteps=6, evalIntervalSteps=6)
+    job["spec"]["training"]["checkpoint"].update(intervalSteps=6, storageUri=str(tmp_path / "storage"))
+    cfg = tmp_path / "job.yaml"
+    cfg.write_text(_yaml.safe_dump(job))
+    env = {**os.environ, "FINETUNE_PROGRESS_URL": f"{operator.url}/v1/progress/{namespace}/e2e",
+           "FINETUNE_PROGRESS_TOKEN_FILE": str(token_file), "FINETUNE_PROGRESS_INTERVAL": "0.5",
+           "RAY_DISABLE_USAGE_STATS": "1"}
+    run = subprocess.run([sys.executable, "-m", "finetune_training", "--config", str(cfg)], cwd=Path(__file__).parents[2],
+                         env=env, capture_output=True, text=True, timeout=600, check=False)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    st = wait_for("final step in status", lambda: (s := status(kube, namespace, "e2e")).get("step") == "6/6" and s,
+                  timeout=30)
+    training = st["training"]  # type: ignore[index]
+    assert training["loss"] > 0 and training["tokensPerSecond"] > 0
+    assert st["network"]["transport"] == "gloo"  # type: ignore[index]  # honest on CPU
+    row = kubectl(kube, "get", "ftj", "e2e", "-n", namespace).splitlines()[1].split()
+    assert row[2] == "6/6" and row[4] == "gloo"
