@@ -20,6 +20,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -58,11 +59,15 @@ def writes_from_metrics(text: str, leases: bool = True) -> dict[str, float]:
     return out
 
 
+STATUSES: dict[str, dict[str, Any]] = {}
+
+
 def resource_versions(api: client.ApiClient, ns: str) -> dict[str, str]:
     custom, core = client.CustomObjectsApi(api), client.CoreV1Api(api)
     rv = {}
     for o in custom.list_namespaced_custom_object("finetune.dev", "v1alpha1", ns, "finetunejobs")["items"]:
         rv[f"finetunejobs/{o['metadata']['name']}"] = o["metadata"]["resourceVersion"]
+        STATUSES.setdefault(o["metadata"]["name"], {})[o["metadata"]["resourceVersion"]] = o.get("status") or {}
     # KubeRay writes RayJob status all the time; only a spec write (ours) bumps the generation.
     for o in custom.list_namespaced_custom_object("ray.io", "v1", ns, "rayjobs")["items"]:
         rv[f"rayjobs/{o['metadata']['name']}#generation"] = str(o["metadata"].get("generation"))
@@ -143,6 +148,13 @@ def main() -> int:
         print(f"idle {args.idle:.0f}s: leader-election Lease renewals = {int(sum(lease.values()))}")
         print(f"idle {args.idle:.0f}s: objects whose resourceVersion changed = {len(changed)} of {len(before_rv)}"
               f" (FTJ resourceVersion, ConfigMap resourceVersion, RayJob generation) {changed[:5]}")
+        for key in changed[:3]:  # what changed, so a write during the idle window can be explained
+            name = key.split("/", 1)[1]
+            old, new = STATUSES[name][before_rv[key]], STATUSES[name][after_rv[key]]
+            diff = {k: (old.get(k), new.get(k)) for k in set(old) | set(new) if old.get(k) != new.get(k) and k != "conditions"}
+            conds = [(c["type"], c["status"], c["reason"], c["message"][:160]) for c in new.get("conditions", [])
+                     if c not in old.get("conditions", [])]
+            print(f"  {name}: {diff} changed conditions: {conds}")
     finally:
         stop.set()
         op.stop()

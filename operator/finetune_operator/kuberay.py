@@ -1,8 +1,7 @@
-"""The KubeRay version we target, and its CRDs (taken from the Go module of that exact version).
+"""KubeRay's CRDs, taken from the Go module of the exact version the dev cluster runs.
 
-KubeRay v1.7.0 is the newest release, but the Go module proxy reachable here serves v1.6.1 as the
-newest downloadable version (v1.7.0's zip answers 403), so v1.6.1 is what the dev cluster runs and
-what rendered RayJobs are validated against. The RayJob fields we render exist unchanged in both.
+The version is pinned once, in devcluster/versions.py (v1.6.1: v1.7.0's module zip is not downloadable
+from the Go module proxy reachable here). The RayJob fields we render exist unchanged in both.
 """
 
 from __future__ import annotations
@@ -14,8 +13,9 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+from .devcluster.versions import KUBERAY_VERSION
+
 KUBERAY_MODULE = "github.com/ray-project/kuberay/ray-operator"
-KUBERAY_VERSION = "v1.6.1"
 
 
 @functools.cache
