@@ -169,3 +169,11 @@ def test_plan_children_is_idempotent_and_detects_foreign_objects() -> None:
     foreign = dict(applied, metadata={**applied["metadata"], "ownerReferences": [{"uid": "other"}]})
     (fourth,) = plan_children(desired, {"c": foreign}, "uid-1")
     assert fourth.conflict and not fourth.apply
+
+
+def test_provisioning_message_uses_the_raycluster() -> None:
+    rc = {"metadata": {"name": "j-abcde"}, "status": {"readyWorkerReplicas": 1, "desiredWorkerReplicas": 2}}
+    st = derive(Observed(rayjob=rayjob("Initializing", rayClusterName="j-abcde"), raycluster=rc))
+    assert st["phase"] == "Provisioning"
+    assert st["message"] == "waiting for the Ray cluster (1/2 workers ready)"
+    assert st["rayClusterName"] == "j-abcde"

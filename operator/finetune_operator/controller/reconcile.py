@@ -22,7 +22,7 @@ from ..api.status import Phase
 from ..api.validation import Issue, SpecError, parse_job
 from ..render.config import RenderConfig
 from ..render.rayjob import JOB_LABEL, child_names, render_children
-from .k8s import FTJ, NODES, PODS, RAYJOB, ApiError, Kube, gvr_of
+from .k8s import FTJ, NODES, PODS, RAYCLUSTER, RAYJOB, ApiError, Kube, gvr_of
 from .metrics import Metrics
 from .preflight import check_capacity
 from .status import Observed, derive_status
@@ -145,6 +145,9 @@ class Reconciler:
 
         if job is not None and observed.rayjob is not None:
             observed.pods = self.kube.list_objects(PODS, namespace, f"{JOB_LABEL}={name}")
+            cluster_name = (observed.rayjob.get("status") or {}).get("rayClusterName")
+            if cluster_name and prev.get("phase") not in TERMINAL:
+                observed.raycluster = self.kube.get(RAYCLUSTER, namespace, cluster_name)
             if prev.get("phase") not in TERMINAL:
                 observed.capacity = self._capacity(job)
         elif job is not None and not observed.conflict:

@@ -196,7 +196,13 @@ def derive_status(
         cond(RUNNING, True, "RayJobRunning", f"Ray job {rs.get('jobId') or ''} {job_status or 'submitted'}".replace("  ", " "))
         return finish(Phase.running, "training")
     # Initializing / Waiting / Retrying / New: the cluster is coming up.
+    rc: Obj = (observed.raycluster or {}).get("status") or {}
     why = "waiting for the Ray cluster"
+    if rc:
+        ready = (rc.get("readyWorkerReplicas") or 0, rc.get("desiredWorkerReplicas") or 0)
+        why = f"waiting for the Ray cluster ({ready[0]}/{ready[1]} workers ready)"
+        if rc.get("reason"):
+            why += f": {rc['reason']}"
     if deploy == "Retrying":
         why = f"retrying (attempt {status['attempt']})"
     if unsched:
