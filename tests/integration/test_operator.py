@@ -316,6 +316,10 @@ def test_training_runtime_reports_through_the_progress_channel(kube: Kube, names
     token_file.write_text(_token(kube, namespace, pod, f"finetune.dev/progress/{namespace}/e2e"))
     job = example("local-tiny.yaml")
     job["metadata"] = {"name": "e2e", "namespace": namespace}
+    root = Path(__file__).resolve().parents[2]
+    # The cluster entrypoint takes paths as the pods see them: absolute (relative ones are `finetune run`'s).
+    job["spec"]["model"]["source"] = str(root / "examples" / "models" / "tiny-qwen2")
+    job["spec"]["dataset"]["source"] = str(root / "examples" / "data" / "arithmetic.jsonl")
     job["spec"]["training"].update(maxSteps=6, evalIntervalSteps=6)
     job["spec"]["training"]["checkpoint"].update(intervalSteps=6, storageUri=str(tmp_path / "storage"))
     cfg = tmp_path / "job.yaml"
