@@ -8,8 +8,8 @@ setup:
 demo: setup
 	.venv/bin/finetune run examples/local-tiny.yaml
 
-# Second command: set up (venv + Go-built control plane) and run the whole test suite.
-test: setup control-plane
+# Second command: set up (venv + Go-built control plane), lint/type-check, and run the whole test suite.
+test: setup control-plane lint
 	.venv/bin/python -m pytest -ra
 
 control-plane: setup
@@ -32,5 +32,5 @@ golden: setup
 	.venv/bin/python -m pytest -q tests/unit/test_render.py --update-golden
 
 lint: setup
-	.venv/bin/ruff check operator training tests benchmarks
-	.venv/bin/mypy operator/finetune_operator
+	.venv/bin/ruff check operator training tests benchmarks examples
+	.venv/bin/mypy --strict operator/finetune_operator training/finetune_training

@@ -30,7 +30,7 @@ def _ready(node: dict[str, Any]) -> bool:
         return False
     for cond in node.get("status", {}).get("conditions") or []:
         if cond.get("type") == "Ready":
-            return cond.get("status") == "True"
+            return bool(cond.get("status") == "True")
     return False
 
 

@@ -42,7 +42,7 @@ def render_hash(obj: Obj) -> str:
 
 
 def with_hash(obj: Obj) -> Obj:
-    out = json.loads(json.dumps(obj))
+    out: Obj = json.loads(json.dumps(obj))
     out["metadata"].setdefault("annotations", {})[HASH_ANNOTATION] = render_hash(obj)
     return out
 

@@ -80,7 +80,7 @@ def job_document(job: s.FinetuneJob) -> str:
     if job.metadata.namespace:
         meta["namespace"] = job.metadata.namespace
     doc = {"apiVersion": s.API_VERSION, "kind": s.KIND, "metadata": meta, "spec": job.spec.wire()}
-    return yaml.safe_dump(doc, sort_keys=True, width=120)
+    return str(yaml.safe_dump(doc, sort_keys=True, width=120))
 
 
 def render_config_map(job: s.FinetuneJob) -> Obj:
@@ -355,4 +355,4 @@ def render_children(job: s.FinetuneJob, runtime_files: Mapping[str, str], cfg: R
 
 
 def to_yaml(objs: list[Obj]) -> str:
-    return yaml.safe_dump_all(objs, sort_keys=False, width=120)
+    return str(yaml.safe_dump_all(objs, sort_keys=False, width=120))
