@@ -337,3 +337,19 @@ def test_training_runtime_reports_through_the_progress_channel(kube: Kube, names
     assert st["network"]["transport"] == "gloo"  # type: ignore[index]  # honest on CPU
     row = kubectl(kube, "get", "ftj", "e2e", "-n", namespace).splitlines()[1].split()
     assert row[2] == "6/6" and row[4] == "gloo"
+
+
+def test_spec_that_does_not_fit_the_instance_fails_without_children(kube: Kube, namespace: str,
+                                                                     operator: OperatorProcess) -> None:
+    # Passes the CRD's CEL rules (the API server has no instance-type table), so the operator must catch it.
+    create(kube, namespace, ftj("toobig", cluster__workers={"replicas": 2, "gpusPerWorker": 8},
+                                training__globalBatchSize=64))
+    st = wait_for("Failed", lambda: phase_is(kube, namespace, "toobig", "Failed"), timeout=60)
+    valid = condition(st, "SpecValid")  # type: ignore[arg-type]
+    assert valid["status"] == "False" and valid["reason"] == "InvalidSpec"  # type: ignore[index]
+    assert "spec.cluster.workers.gpusPerWorker: 8 GPUs per worker do not fit g6.12xlarge" in valid["message"]  # type: ignore[index]
+    time.sleep(2)
+    assert rayjobs(kube, namespace) == []
+    assert kube.core.list_namespaced_config_map(namespace, label_selector="finetune.dev/job=toobig").items == []
+    events = kube.core.list_namespaced_event(namespace, field_selector="involvedObject.name=toobig").items
+    assert any(e.type == "Warning" and e.reason == "Failed" for e in events)
