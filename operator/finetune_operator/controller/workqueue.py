@@ -1,10 +1,17 @@
 """A keyed work queue (client-go semantics): a key is never reconciled twice at once, a burst of
-events for one key collapses into one reconcile, and failures are retried with backoff."""
+events for one key collapses into one reconcile, and failures are retried with backoff.
+
+Thread safety: `add` and `add_after` may be called from any thread (kopf runs synchronous handlers in
+a thread pool; the progress flusher and the reconciles themselves run in worker threads). The queue's
+state is only ever touched on its event loop: calls from other threads are handed over with
+`call_soon_threadsafe`, so there is no lock and no check-then-act race.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 from collections.abc import Callable
 
 Key = tuple[str, str]
@@ -21,17 +28,41 @@ class WorkQueue:
         self._running: set[Key] = set()
         self._failures: dict[Key, int] = {}
         self._tasks: list[asyncio.Task[None]] = []
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._loop_thread: int | None = None
 
+    # --------------------------------------------------------------------------------- any thread
     def add(self, namespace: str, name: str) -> None:
-        key = (namespace, name)
+        if self._on_loop():
+            self._add((namespace, name))
+        else:
+            assert self._loop is not None
+            self._loop.call_soon_threadsafe(self._add, (namespace, name))
+
+    def add_after(self, namespace: str, name: str, delay: float) -> None:
+        if self._on_loop():
+            self._add_after((namespace, name), delay)
+        else:
+            assert self._loop is not None
+            self._loop.call_soon_threadsafe(self._add_after, (namespace, name), delay)
+
+    def _on_loop(self) -> bool:
+        if self._loop is None:  # not started: bind to the caller's running loop
+            self._loop = asyncio.get_running_loop()
+            self._loop_thread = threading.get_ident()
+        return threading.get_ident() == self._loop_thread
+
+    # ------------------------------------------------------------------------------ loop thread only
+    def _add(self, key: Key) -> None:
         if key in self._dirty:
             return
         self._dirty.add(key)
         if key not in self._running:
             self._queue.put_nowait(key)
 
-    def add_after(self, namespace: str, name: str, delay: float) -> None:
-        asyncio.get_running_loop().call_later(delay, self.add, namespace, name)
+    def _add_after(self, key: Key, delay: float) -> None:
+        assert self._loop is not None
+        self._loop.call_later(delay, self._add, key)
 
     async def _worker(self) -> None:
         while True:
@@ -45,13 +76,15 @@ class WorkQueue:
                 n = self._failures[key] = self._failures.get(key, 0) + 1
                 delay = min(self.max_backoff, 0.5 * 2**n)
                 log.warning("reconcile %s/%s failed (retry %d in %.1fs): %s", *key, n, delay, err)
-                self.add_after(*key, delay)
+                self._add_after(key, delay)
             finally:
                 self._running.discard(key)
                 if key in self._dirty:
                     self._queue.put_nowait(key)
 
     def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._loop_thread = threading.get_ident()
         self._tasks = [asyncio.create_task(self._worker()) for _ in range(self.workers)]
 
     async def stop(self) -> None:
