@@ -39,6 +39,8 @@ def register(sub: Any) -> None:
     p.add_argument("--lease-namespace", default=os.environ.get("POD_NAMESPACE", "default"))
     p.add_argument("--lease-name", default="finetune-operator-leader")
     p.add_argument("--identity", default=os.environ.get("POD_NAME") or f"{socket.gethostname()}-{uuid.uuid4().hex[:6]}")
+    p.add_argument("--pod-name", default=os.environ.get("POD_NAME"),
+                   help="this replica's pod (in --lease-namespace): the leader labels it finetune.dev/operator-leader=true")
     p.add_argument("--log-level", default="INFO")
     p.set_defaults(func=main)
 
@@ -67,7 +69,7 @@ async def run(args: argparse.Namespace) -> int:
 
     from .controller.handlers import build_registry, settings_for_embedding
     from .controller.k8s import Kube, load_config
-    from .controller.leader import LeaderElector
+    from .controller.leader import LeaderElector, label_own_pod
     from .controller.metrics import Metrics
     from .controller.progress import ProgressServer
     from .controller.reconcile import Reconciler
@@ -80,6 +82,7 @@ async def run(args: argparse.Namespace) -> int:
     metrics = Metrics()
     reconciler = Reconciler(kube, RenderConfig(progress_url=args.progress_url), runtime_files(), metrics)
     queue = WorkQueue(reconciler.reconcile, workers=args.workers)
+    reconciler.requeue_after = queue.add_after
     progress = ProgressServer(kube, metrics, on_flushed=queue.add, flush_interval=args.flush_interval)
 
     ssl_ctx = None
@@ -100,6 +103,9 @@ async def run(args: argparse.Namespace) -> int:
     elector = None
     if args.leader_elect:
         elector = LeaderElector(kube, args.lease_namespace, args.lease_name, args.identity)
+        kube.may_write = elector.may_write  # fencing: no write unless the Lease surely is still ours
+        if args.pod_name:
+            await asyncio.to_thread(label_own_pod, kube, args.lease_namespace, args.pod_name, False)
         acquire = asyncio.create_task(elector.acquire())
         stopper = asyncio.create_task(stop.wait())
         await asyncio.wait({acquire, stopper}, return_when=asyncio.FIRST_COMPLETED)
@@ -108,6 +114,8 @@ async def run(args: argparse.Namespace) -> int:
             await runner.cleanup()
             return 0
     progress.ready = True
+    if elector and args.pod_name:
+        await asyncio.to_thread(label_own_pod, kube, args.lease_namespace, args.pod_name, True)
 
     registry = build_registry(queue, reconciler, progress)
 
@@ -145,7 +153,8 @@ async def run(args: argparse.Namespace) -> int:
     lost = elector is not None and not elector.is_leader and not stop.is_set()
     kopf_stop.set()
     progress.ready = False
-    await asyncio.to_thread(progress.flush_once)
+    if not lost:  # a deposed leader writes nothing more, not even its last progress
+        await asyncio.to_thread(progress.flush_once)
     for t in tasks + waiters:
         if t.get_name() != "kopf":
             t.cancel()

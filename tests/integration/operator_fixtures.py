@@ -28,13 +28,14 @@ class OperatorProcess:
     """One `finetune operator` process; `start()`/`kill()` can be called repeatedly."""
 
     def __init__(self, kubeconfig: Path, logdir: Path, identity: str = "op-a", lease_namespace: str = "default",
-                 extra_env: dict[str, str] | None = None):
+                 extra_env: dict[str, str] | None = None, extra_args: list[str] | None = None):
         self.kubeconfig = kubeconfig
         self.logdir = logdir
         self.identity = identity
         self.lease_namespace = lease_namespace
         self.port = free_port()
         self.extra_env = extra_env or {}
+        self.extra_args = extra_args or []  # later flags override the defaults above (argparse: last wins)
         self.proc: subprocess.Popen[bytes] | None = None
         self.starts = 0
 
@@ -49,7 +50,8 @@ class OperatorProcess:
             [sys.executable, "-m", "finetune_operator.cli", "operator",
              "--kubeconfig", str(self.kubeconfig), "--listen", "127.0.0.1", "--port", str(self.port),
              "--progress-url", self.url, "--flush-interval", "1", "--resync-interval", "15",
-             "--lease-namespace", self.lease_namespace, "--identity", self.identity, "--log-level", "INFO"],
+             "--lease-namespace", self.lease_namespace, "--identity", self.identity, "--log-level", "INFO",
+             *self.extra_args],
             stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **self.extra_env, **(env or {})},
             cwd=ROOT,
         )

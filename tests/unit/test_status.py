@@ -8,7 +8,7 @@ import pytest
 from finetune_operator.api.validation import Issue, parse_job
 from finetune_operator.controller.preflight import check_capacity
 from finetune_operator.controller.reconcile import plan_children, with_hash
-from finetune_operator.controller.status import Observed, derive_status
+from finetune_operator.controller.status import Observed, derive_status, fail_stalled, seconds_until_stall
 
 from tests.builders import JobDoc
 
@@ -52,7 +52,13 @@ PHASES = [
     ("suspended", Observed(rayjob=rayjob("Suspended")), "Suspended"),
     ("retrying", Observed(rayjob=rayjob("Retrying", failed=1)), "Provisioning"),
     ("invalid-spec", Observed(spec_issues=[Issue("spec.cluster.instanceType", "unknown")]), "Failed"),
-    ("conflict", Observed(conflict="RayJob j exists"), "Failed"),
+    ("blocked", Observed(blocked=("ChildConflict", "RayJob j exists")), "Pending"),
+    ("lost-no-report", Observed(rayjob_lost=True), "Failed"),
+    ("lost-seen-succeeded", Observed(rayjob_lost=True, last_rayjob_status={"jobDeploymentStatus": "Complete",
+                                                                          "jobStatus": "SUCCEEDED"}), "Succeeded"),
+    ("lost-seen-failed", Observed(rayjob_lost=True, last_rayjob_status={"jobDeploymentStatus": "Failed",
+                                                                       "jobStatus": "FAILED"}), "Failed"),
+    ("lost-last-seen-running", Observed(rayjob_lost=True, last_rayjob_status={"jobDeploymentStatus": "Running"}), "Failed"),
 ]
 
 
@@ -162,13 +168,67 @@ def test_plan_children_is_idempotent_and_detects_foreign_objects() -> None:
     applied = with_hash(desired[0])
     applied["metadata"]["ownerReferences"] = [{"uid": "uid-1"}]
     (again,) = plan_children(desired, {"c": applied}, "uid-1")
-    assert not again.apply and again.conflict is None
+    assert not again.apply and again.blocked is None
     changed = [{**desired[0], "data": {"a": "2"}}]
     (third,) = plan_children(changed, {"c": applied}, "uid-1")
     assert third.apply
     foreign = dict(applied, metadata={**applied["metadata"], "ownerReferences": [{"uid": "other"}]})
     (fourth,) = plan_children(desired, {"c": foreign}, "uid-1")
-    assert fourth.conflict and not fourth.apply
+    assert fourth.blocked and fourth.blocked[0] == "ChildConflict" and not fourth.apply
+
+
+def test_a_previous_incarnations_child_blocks_until_it_is_gone() -> None:
+    owner = {"apiVersion": "finetune.dev/v1alpha1", "kind": "FinetuneJob", "name": "j", "uid": "new"}
+    desired = [{"apiVersion": "ray.io/v1", "kind": "RayJob", "metadata": {"name": "j", "ownerReferences": [owner]}}]
+    old = with_hash(desired[0])
+    old["metadata"].update(ownerReferences=[{**owner, "uid": "old"}], deletionTimestamp=NOW)
+    (action,) = plan_children(desired, {"j": old}, "new")
+    assert not action.apply and action.blocked is not None
+    reason, message = action.blocked
+    assert reason == "WaitingForPreviousChild"
+    assert "previous FinetuneJob named j (uid old)" in message and "being deleted" in message
+    (action,) = plan_children(desired, {"j": None}, "new")
+    assert action.apply and action.blocked is None
+
+
+def test_blocked_is_not_terminal_and_clears() -> None:
+    st = derive(Observed(blocked=("WaitingForPreviousChild", "RayJob j still belongs to a previous FinetuneJob")))
+    assert st["phase"] == "Pending" and cond(st, "Blocked")["status"] == "True"
+    assert not any(c["type"] == "Failed" for c in st["conditions"])
+    later = derive(Observed(rayjob=rayjob("Initializing")), prev=st)
+    assert later["phase"] == "Provisioning" and not any(c["type"] == "Blocked" for c in later["conditions"])
+
+
+LOST_PREV = {"phase": "Running", "rayJobUID": "u1", "step": "40/50",
+             "conditions": [{"type": "Running", "status": "True", "reason": "RayJobRunning", "message": "x",
+                             "lastTransitionTime": NOW}]}
+
+
+def test_a_lost_rayjob_is_decided_from_the_trainings_final_report() -> None:
+    done = derive(Observed(rayjob_lost=True), prev={**LOST_PREV, "runtimePhase": "Done", "step": "50/50"})
+    assert done["phase"] == "Succeeded"
+    c = cond(done, "Complete")
+    assert (c["status"], c["reason"]) == ("True", "TrainingReportedDone") and "50/50" in c["message"]
+    assert done["rayJobUID"] == "u1" and done["completionTime"] == NOW
+    failed = derive(Observed(rayjob_lost=True), prev={**LOST_PREV, "runtimePhase": "Failed"})
+    assert failed["phase"] == "Failed" and cond(failed, "Failed")["reason"] == "TrainingReportedFailed"
+    unknown = derive(Observed(rayjob_lost=True), prev=LOST_PREV)
+    assert unknown["phase"] == "Failed"
+    c = cond(unknown, "Failed")
+    assert c["reason"] == "RayJobDeleted"
+    assert "last known phase Running, step 40/50" in c["message"] and "re-create the FinetuneJob" in c["message"]
+    assert cond(unknown, "Running")["status"] == "False"
+
+
+def test_replica_failure_on_the_raycluster_is_surfaced() -> None:
+    rc = {"metadata": {"name": "j-abcde"}, "status": {"conditions": [
+        {"type": "ReplicaFailure", "status": "True", "reason": "FailedCreateWorkerPod",
+         "message": 'pods "w" is forbidden: violates PodSecurity "baseline:latest": non-default capabilities (IPC_LOCK)'}]}}
+    st = derive(Observed(rayjob=rayjob("Initializing", rayClusterName="j-abcde"), raycluster=rc))
+    assert st["phase"] == "Provisioning"
+    c = cond(st, "PodsHealthy")
+    assert (c["status"], c["reason"]) == ("False", "FailedCreateWorkerPod") and "IPC_LOCK" in c["message"]
+    assert "KubeRay cannot create the Ray pods" in st["message"] and "IPC_LOCK" in st["message"]
 
 
 def test_provisioning_message_uses_the_raycluster() -> None:
@@ -177,3 +237,62 @@ def test_provisioning_message_uses_the_raycluster() -> None:
     assert st["phase"] == "Provisioning"
     assert st["message"] == "waiting for the Ray cluster (1/2 workers ready)"
     assert st["rayClusterName"] == "j-abcde"
+
+
+# ------------------------------------------------------------------------------------ hang detection
+
+RUNNING_PREV = {"phase": "Running", "conditions": [{"type": "Running", "status": "True", "reason": "RayJobRunning",
+                                                    "message": "x", "lastTransitionTime": "2026-12-02T09:00:00Z"}]}
+
+
+def with_report(at: str, **training: Any) -> dict[str, Any]:
+    return {**RUNNING_PREV, "training": {"lastReportTime": at, **training}}
+
+
+@pytest.mark.parametrize(
+    ("prev", "timeout", "now", "stalled"),
+    [
+        (with_report("2026-12-02T09:59:55Z", step=5), 8, NOW, None),
+        (with_report("2026-12-02T09:59:50Z", step=5, totalSteps=10), 8, NOW, "NoProgress"),
+        # default window: 10 x observed step time (eta 100 s for 10 steps = 10 s/step -> 100 s), floor 900 s
+        (with_report("2026-12-02T09:50:00Z", step=0, totalSteps=10, etaSeconds=100), None, NOW, None),
+        (with_report("2026-12-02T09:44:00Z", step=0, totalSteps=10, etaSeconds=100), None, NOW, "NoProgress"),
+        # slow steps stretch the window past the floor: 600 s/step -> 6000 s
+        (with_report("2026-12-02T09:00:00Z", step=0, totalSteps=10, etaSeconds=6000), None, NOW, None),
+        # no report ever: measured from when the Ray job started running
+        (RUNNING_PREV, None, NOW, "NoProgress"),
+        (RUNNING_PREV, None, "2026-12-02T09:10:00Z", None),
+        ({**RUNNING_PREV, "training": {"lastReportTime": NOW}, "network": {
+            "healthy": False, "message": "[Rank 3] Watchdog caught collective operation timeout: WorkNCCL(...)"}},
+         None, NOW, "NcclWatchdogTimeout"),
+    ],
+    ids=["recent", "past-timeout", "default-within", "default-past-floor", "slow-steps", "never-reported",
+         "never-reported-young", "nccl-watchdog"],
+)
+def test_stalled(prev: dict[str, Any], timeout: int | None, now: str, stalled: str | None) -> None:
+    st = derive_status(generation=1, suspend=False, names=NAMES, prev=prev, observed=Observed(rayjob=rayjob("Running", "RUNNING")),
+                       now=now, stall_timeout_seconds=timeout)
+    assert st["phase"] == "Running"
+    c = next((c for c in st["conditions"] if c["type"] == "Stalled"), None)
+    if stalled is None:
+        assert c is None
+        assert seconds_until_stall(st, now, timeout) is not None
+    else:
+        assert c is not None and (c["status"], c["reason"]) == ("True", stalled)
+        assert st["message"].startswith("stalled: ")
+
+
+def test_stalled_clears_and_leaves_with_running() -> None:
+    prev = with_report("2026-12-02T09:59:00Z", step=5, totalSteps=10)
+    hung = derive_status(generation=1, suspend=False, names=NAMES, prev=prev, observed=Observed(rayjob=rayjob("Running")),
+                         now=NOW, stall_timeout_seconds=8)
+    assert "at step 5/10" in cond(hung, "Stalled")["message"]
+    again = {**hung, "training": {"lastReportTime": NOW, "step": 6, "totalSteps": 10}}
+    ok = derive_status(generation=1, suspend=False, names=NAMES, prev=again, observed=Observed(rayjob=rayjob("Running")),
+                       now=NOW, stall_timeout_seconds=8)
+    assert (cond(ok, "Stalled")["status"], cond(ok, "Stalled")["reason"]) == ("False", "Progressing")
+    done = derive(Observed(rayjob=rayjob("Complete", "SUCCEEDED")), prev=hung)
+    assert not any(c["type"] == "Stalled" for c in done["conditions"])
+    failed = fail_stalled(hung, LATER)
+    assert failed["phase"] == "Failed" and cond(failed, "Failed")["reason"] == "Stalled"
+    assert cond(failed, "Running")["status"] == "False" and not any(c["type"] == "Stalled" for c in failed["conditions"])

@@ -498,6 +498,32 @@ def _dp_ranks_cel() -> str:
     return f"({w}.gpusPerWorker > 0 ? {w}.replicas * {w}.gpusPerWorker : {w}.replicas)"
 
 
+class StallAction(str, Enum):
+    report = "Report"
+    fail = "Fail"
+
+
+class StallPolicy(SpecModel):
+    """Hang detection: a running job whose training stops reporting progress is `Stalled`."""
+
+    timeout_seconds: int | None = Field(
+        default=None,
+        ge=1,
+        le=7 * 24 * 3600,
+        description=(
+            "Stalled after this many seconds without a progress report while running. Default: 10 x the "
+            "observed step time, at least 900 s."
+        ),
+    )
+    action: StallAction = Field(
+        default=StallAction.report,
+        description=(
+            "Report: a Stalled condition, a Warning Event and the finetune_job_stalled metric. Fail: also fail "
+            "the job and suspend its RayJob (the Ray cluster and its GPUs are released)."
+        ),
+    )
+
+
 class FinetuneJobSpec(SpecModel):
     """Desired state of a fine-tuning run."""
 
@@ -556,6 +582,9 @@ class FinetuneJobSpec(SpecModel):
         default=None,
         ge=0,
         description="Delete the Ray cluster this long after the job finishes (default: deleted right away).",
+    )
+    stall_policy: StallPolicy = Field(
+        default_factory=StallPolicy, description="Hang detection: when a running job counts as stalled, and what then."
     )
 
     @property

@@ -81,6 +81,11 @@ class FinetuneJobStatus(StatusModel):
     conditions: list[Condition] = Field(default_factory=list, description="Kubernetes-style conditions.")
     observed_generation: int | None = Field(default=None, description="Last metadata.generation acted on.")
     ray_job_name: str | None = Field(default=None, description="Name of the child RayJob.")
+    ray_job_uid: str | None = Field(
+        default=None, alias="rayJobUID",
+        description="UID of the RayJob this job created. A recorded RayJob that disappears is never re-created: "
+                    "the job's outcome is decided from what was last known.",
+    )
     ray_cluster_name: str | None = Field(default=None, description="Name of the RayCluster KubeRay created for the job.")
     config_map_name: str | None = Field(default=None, description="Name of the ConfigMap with the resolved job config.")
     job_id: str | None = Field(default=None, description="Ray job submission id.")
@@ -94,6 +99,9 @@ class FinetuneJobStatus(StatusModel):
     message: str | None = Field(default=None, description="Short human summary of the current state.")
     training: TrainingProgress | None = Field(default=None, description="Training progress reported by the job.")
     network: NetworkHealth | None = Field(default=None, description="Network health reported by the job.")
+    runtime_phase: str | None = Field(
+        default=None, description="Last phase the training runtime reported: Starting, Training, Exporting, Done, Failed."
+    )
 
 
 class ProgressReport(StatusModel):

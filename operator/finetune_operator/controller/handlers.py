@@ -35,6 +35,7 @@ def build_registry(queue: WorkQueue, reconciler: Reconciler, progress: ProgressS
 
     @kopf.on.event("ray.io", "v1", "rayjobs", labels={JOB_LABEL: kopf.PRESENT}, registry=registry)
     def rayjob(**kw: Any) -> None:
+        reconciler.observe_rayjob(kw["namespace"], kw["labels"][JOB_LABEL], kw["event"].get("object") or {})
         queue.add(kw["namespace"], kw["labels"][JOB_LABEL])
 
     @kopf.on.event("", "v1", "pods", labels={JOB_LABEL: kopf.PRESENT}, registry=registry)

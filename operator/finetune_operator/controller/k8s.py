@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import threading
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 from urllib.parse import quote, urlencode
 
@@ -23,6 +24,10 @@ Obj = dict[str, Any]
 FTJ = ("finetune.dev", "v1alpha1", "finetunejobs")
 RAYJOB = ("ray.io", "v1", "rayjobs")
 RAYCLUSTER = ("ray.io", "v1", "rayclusters")
+
+
+class NotLeader(Exception):
+    """A write refused because this replica may no longer hold the leader Lease (fencing)."""
 
 
 class ApiError(Exception):
@@ -69,6 +74,16 @@ LEASES = ("coordination.k8s.io", "v1", "leases")
 TOKENREVIEWS = ("authentication.k8s.io", "v1", "tokenreviews")
 
 
+def _object_not_found(body: str) -> bool:
+    """A 404 about the object (a Status naming it), not about the resource type ("404 page not found")."""
+    try:
+        status = json.loads(body)
+    except ValueError:
+        return False
+    return (isinstance(status, dict) and status.get("kind") == "Status" and status.get("reason") == "NotFound"
+            and bool((status.get("details") or {}).get("name")))
+
+
 def gvr_of(obj: Obj) -> tuple[str, str, str]:
     api_version, kind = obj["apiVersion"], obj["kind"]
     group, _, version = api_version.rpartition("/")
@@ -77,11 +92,15 @@ def gvr_of(obj: Obj) -> tuple[str, str, str]:
 
 
 class Kube:
-    def __init__(self, api: client.ApiClient, timeout: float = 30.0):
+    def __init__(self, api: client.ApiClient, timeout: float = 10.0):
+        # The timeout stays well below the leader Lease's renew deadline (leader.py: 30 s lease, renewed
+        # every 10 s, given up 20 s after the last renewal), so no call outlives the leadership it began in.
         self.api = api
         self.timeout = timeout
         self.writes: Counter[str] = Counter()
         self._lock = threading.Lock()
+        # Fencing (leader.py): every write but the Lease's own asks this first; None: always allowed.
+        self.may_write: Callable[[], bool] | None = None
 
     # ------------------------------------------------------------------------------------------ REST
     def request(
@@ -107,7 +126,9 @@ class Kube:
             raise ApiError(resp.status, text, what or f"{method} {path}")
         return json.loads(text) if text else {}
 
-    def _write(self, verb: str, kind: str, method: str, path: str, **kw: Any) -> Obj:
+    def _write(self, verb: str, kind: str, method: str, path: str, fenced: bool = True, **kw: Any) -> Obj:
+        if fenced and kind != "Lease" and self.may_write is not None and not self.may_write():
+            raise NotLeader(f"{verb} {kind} refused: this replica no longer surely holds the leader Lease")
         with self._lock:
             self.writes[f"{verb} {kind}"] += 1
         return self.request(method, path, **kw)
@@ -116,9 +137,9 @@ class Kube:
         try:
             return self.request("GET", _path(gvr, namespace, name))
         except ApiError as err:
-            if err.status == 404:
+            if err.status == 404 and _object_not_found(err.body):
                 return None
-            raise
+            raise  # a 404 for the resource type itself (e.g. the KubeRay CRDs are missing) is an error
 
     def list_objects(self, gvr: tuple[str, str, str], namespace: str | None = None, selector: str | None = None) -> list[Obj]:
         query = {"labelSelector": selector} if selector else None
@@ -148,9 +169,10 @@ class Kube:
             content_type="application/merge-patch+json",
         )
 
-    def patch(self, gvr: tuple[str, str, str], namespace: str, name: str, body: Obj, kind: str) -> Obj:
+    def patch(self, gvr: tuple[str, str, str], namespace: str, name: str, body: Obj, kind: str,
+              fenced: bool = True) -> Obj:
         return self._write("patch", kind, "PATCH", _path(gvr, namespace, name), body=body,
-                           content_type="application/merge-patch+json")
+                           content_type="application/merge-patch+json", fenced=fenced)
 
     def create(self, gvr: tuple[str, str, str], namespace: str | None, body: Obj, kind: str) -> Obj:
         return self._write("create", kind, "POST", _path(gvr, namespace), body=body)

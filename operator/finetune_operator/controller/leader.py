@@ -9,13 +9,23 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from .k8s import LEASES, ApiError, Kube
+from .k8s import LEASES, PODS, ApiError, Kube
 
 log = logging.getLogger("finetune.leader")
 _FMT = "%Y-%m-%dT%H:%M:%S.%fZ"
+# Set by the leader on its own pod; the progress Service selects it, so reports reach the replica that
+# flushes them. Removed by every replica when it starts (a restarted ex-leader keeps its pod and labels).
+LEADER_LABEL = "finetune.dev/operator-leader"
+
+
+def label_own_pod(kube: Kube, namespace: str, pod: str, leader: bool) -> None:
+    """Mark (or unmark) this replica's pod as the leader's. Not fenced: it only concerns this replica."""
+    kube.patch(PODS, namespace, pod, {"metadata": {"labels": {LEADER_LABEL: "true" if leader else None}}},
+               kind="Pod", fenced=False)
 
 
 def _now() -> datetime:
@@ -45,6 +55,13 @@ class LeaderElector:
         self.retry_seconds = retry_seconds
         self.is_leader = False
         self._last_renew: datetime | None = None
+        self._valid_until = 0.0  # monotonic: the lease we hold surely has not expired before this
+
+    def may_write(self) -> bool:
+        """Fencing: True only while a write started now is sure to finish (the API client's timeout)
+        before the lease we last renewed can expire. After a pause (SIGSTOP, a long GC, a frozen VM) this
+        turns False at once, before the renewal loop has even noticed: a deposed leader never writes."""
+        return self.is_leader and time.monotonic() + self.kube.timeout < self._valid_until
 
     def _spec(self, now: datetime, acquired: bool, prev: dict[str, Any]) -> dict[str, Any]:
         stamp = now.strftime(_FMT)
@@ -59,6 +76,7 @@ class LeaderElector:
 
     def try_acquire_or_renew(self) -> bool:
         now = _now()
+        started = time.monotonic()  # the lease runs from (no earlier than) when we asked
         lease = self.kube.get(LEASES, self.namespace, self.name)
         try:
             if lease is None:
@@ -68,6 +86,7 @@ class LeaderElector:
                     "spec": self._spec(now, True, {}),
                 }, kind="Lease")
                 self._last_renew = now
+                self._valid_until = started + self.lease_seconds
                 return True
             spec = lease.get("spec") or {}
             holder = spec.get("holderIdentity")
@@ -79,6 +98,7 @@ class LeaderElector:
             lease["spec"] = self._spec(now, holder != self.identity, spec)
             self.kube.replace(LEASES, self.namespace, self.name, lease, kind="Lease")
             self._last_renew = now
+            self._valid_until = started + self.lease_seconds
             return True
         except ApiError as err:
             if err.status in (409, 422):  # somebody else won the race
@@ -110,6 +130,7 @@ class LeaderElector:
                 if self._last_renew and _now() < self._last_renew + timedelta(seconds=self.lease_seconds - self.renew_seconds):
                     continue
             self.is_leader = False
+            self._valid_until = 0.0
             return
 
     def release(self) -> None:

@@ -45,7 +45,15 @@ class Metrics:
         self.net_ok = Gauge(
             "finetune_job_network_healthy", "1 when collectives use the expected transport.", labels, registry=r
         )
-        self._per_job = [self.step, self.total_steps, self.loss, self.tokens, self.net_ok]
+        self.stalled = Gauge(
+            "finetune_job_stalled", "1 while a running job has stopped reporting progress (Stalled condition).",
+            labels, registry=r,
+        )
+        self._per_job = [self.step, self.total_steps, self.loss, self.tokens, self.net_ok, self.stalled]
+
+    def set_stalled(self, namespace: str, name: str, stalled: bool) -> None:
+        if self._track((namespace, name)):
+            self.stalled.labels(namespace, name).set(1.0 if stalled else 0.0)
 
     def set_phase(self, namespace: str, name: str, phase: str | None) -> None:
         with self._lock:

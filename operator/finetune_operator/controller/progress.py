@@ -60,6 +60,7 @@ class Verdict:
 class _Pending:
     training: dict[str, Any] = field(default_factory=dict)
     network: dict[str, Any] = field(default_factory=dict)
+    runtime_phase: str | None = None
     dirty: bool = False
 
 
@@ -128,6 +129,9 @@ class ProgressServer:
     # ----------------------------------------------------------------------------------------- HTTP
     async def handle_progress(self, request: web.Request) -> web.Response:
         ns, name = request.match_info["namespace"], request.match_info["name"]
+        if not self.ready:
+            # A standby drops reports (only the leader flushes them): never answer 202 for those.
+            return self._reply(503, "this replica is not the leader; retry (reports are routed to the leader)")
         header = request.headers.get("Authorization", "")
         if not header.startswith("Bearer ") or not header[7:].strip():
             return self._reply(401, "missing bearer token")
@@ -153,6 +157,8 @@ class ProgressServer:
             training["lastReportTime"] = self.clock()
         p.training = _merge(p.training, training)
         p.network = _merge(p.network, network)
+        if report.phase and report.rank == 0:
+            p.runtime_phase = report.phase  # kept: decides the outcome if the RayJob vanishes unobserved
         p.dirty = True
         self.metrics.observe_progress(namespace, name, training, network)
 
@@ -199,6 +205,8 @@ class ProgressServer:
                     patch["step"] = f"{step}/{total}" if total else str(step)
             if p.network:
                 patch["network"] = dict(p.network)
+            if p.runtime_phase:
+                patch["runtimePhase"] = p.runtime_phase
             try:
                 self.kube.patch_status(ns, name, patch)
             except ApiError as err:

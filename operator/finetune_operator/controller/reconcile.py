@@ -19,18 +19,29 @@ from typing import Any
 
 from ..api import spec as s
 from ..api.status import Phase
-from ..api.validation import Issue, SpecError, parse_job
+from ..api.validation import SpecError, parse_job
 from ..render.config import RenderConfig
 from ..render.rayjob import JOB_LABEL, child_names, render_children
 from .k8s import FTJ, NODES, PODS, RAYCLUSTER, RAYJOB, ApiError, Kube, gvr_of
 from .metrics import Metrics
 from .preflight import check_capacity
-from .status import Observed, derive_status
+from .status import (
+    BLOCKED,
+    PROGRESS_FIELDS,
+    RECONCILED,
+    STALLED,
+    Observed,
+    derive_status,
+    fail_stalled,
+    seconds_until_stall,
+    set_condition,
+)
 
 Obj = dict[str, Any]
 HASH_ANNOTATION = "finetune.dev/render-hash"
 TERMINAL = {Phase.succeeded.value, Phase.failed.value}
 log = logging.getLogger("finetune.reconcile")
+BLOCKED_REQUEUE_SECONDS = 10.0
 
 
 def utcnow() -> str:
@@ -50,8 +61,26 @@ def with_hash(obj: Obj) -> Obj:
 @dataclass(frozen=True)
 class ChildAction:
     obj: Obj  # desired, with hash annotation
-    apply: bool  # False: observed already matches
-    conflict: str | None = None
+    apply: bool  # False: observed already matches (or is going away)
+    blocked: tuple[str, str] | None = None  # (reason, message): wait, do not touch it
+
+
+def owned_by(obj: Obj | None, owner_uid: str) -> bool:
+    return obj is not None and owner_uid in {r.get("uid") for r in obj["metadata"].get("ownerReferences") or []}
+
+
+def _blocked_by(obj: Obj, cur: Obj, job_name: str) -> tuple[str, str]:
+    """Why an existing object of a child's name that this job does not own blocks it."""
+    what = f"{obj['kind']} {obj['metadata']['name']}"
+    deleting = " and is being deleted" if cur["metadata"].get("deletionTimestamp") else ""
+    for ref in cur["metadata"].get("ownerReferences") or []:
+        if ref.get("kind") == s.KIND and ref.get("name") == job_name:
+            return ("WaitingForPreviousChild",
+                    f"{what} still belongs to a previous FinetuneJob named {job_name} (uid {ref.get('uid')}){deleting}; "
+                    "this job proceeds once it is gone")
+    if deleting:
+        return "WaitingForPreviousChild", f"{what} is being deleted; this job proceeds once it is gone"
+    return "ChildConflict", f"{what} already exists and is not owned by this FinetuneJob; delete or rename it"
 
 
 def plan_children(desired: list[Obj], observed: Mapping[str, Obj | None], owner_uid: str) -> list[ChildAction]:
@@ -64,10 +93,12 @@ def plan_children(desired: list[Obj], observed: Mapping[str, Obj | None], owner_
         if cur is None:
             actions.append(ChildAction(want, True))
             continue
-        owners = {r.get("uid") for r in cur["metadata"].get("ownerReferences") or []}
-        if owner_uid not in owners:
-            actions.append(ChildAction(want, False, f"{obj['kind']} {name} already exists and is not owned by this FinetuneJob; "
-                                                    "delete or rename it"))
+        if not owned_by(cur, owner_uid):
+            job_name = next((r.get("name") for r in obj["metadata"].get("ownerReferences") or []), "")
+            actions.append(ChildAction(want, False, _blocked_by(obj, cur, str(job_name))))
+            continue
+        if cur["metadata"].get("deletionTimestamp"):
+            actions.append(ChildAction(want, False))  # ours, going away: nothing to apply to
             continue
         have = (cur["metadata"].get("annotations") or {}).get(HASH_ANNOTATION)
         actions.append(ChildAction(want, have != want["metadata"]["annotations"][HASH_ANNOTATION]))
@@ -92,17 +123,35 @@ class Reconciler:
         runtime_files: Mapping[str, str],
         metrics: Metrics | None = None,
         clock: Callable[[], str] = utcnow,
+        requeue_after: Callable[[str, str, float], None] | None = None,
     ):
         self.kube = kube
         self.cfg = cfg
         self.runtime_files = dict(runtime_files)
         self.metrics = metrics or Metrics()
         self.clock = clock
+        self.requeue_after = requeue_after or (lambda ns, name, delay: None)
         self.phases: dict[tuple[str, str], str] = {}
+        # The last terminal status the watch saw per RayJob UID (a DELETED event carries the final state),
+        # so a RayJob KubeRay deletes the moment it finishes still decides the outcome.
+        self.final_rayjob_status: dict[str, Obj] = {}
+        self._rayjob_uids: dict[tuple[str, str], set[str]] = {}
+        self._stall_checks: dict[tuple[str, str], float] = {}
 
     def forget(self, namespace: str, name: str) -> None:
         self.phases.pop((namespace, name), None)
+        self._stall_checks.pop((namespace, name), None)
+        for uid in self._rayjob_uids.pop((namespace, name), set()):
+            self.final_rayjob_status.pop(uid, None)
         self.metrics.forget(namespace, name)
+
+    def observe_rayjob(self, namespace: str, job_name: str, rayjob: Obj) -> None:
+        """Called with every watched RayJob (also the DELETED event's last state)."""
+        uid = (rayjob.get("metadata") or {}).get("uid")
+        st = rayjob.get("status") or {}
+        if uid and st.get("jobDeploymentStatus") in ("Complete", "Failed", "ValidationFailed"):
+            self.final_rayjob_status[uid] = dict(st)
+            self._rayjob_uids.setdefault((namespace, job_name), set()).add(uid)
 
     def reconcile(self, namespace: str, name: str) -> str | None:
         """Returns the phase after reconciling (None if the job is gone)."""
@@ -113,6 +162,7 @@ class Reconciler:
         except Exception as err:
             result = "error"
             self.metrics.reconcile_errors.labels(type(err).__name__).inc()
+            self._report_error(namespace, name, err)
             raise
         finally:
             self.metrics.reconciles.labels(result).inc()
@@ -120,6 +170,23 @@ class Reconciler:
             for key, n in list(self.kube.writes.items()):
                 verb, kind = key.split(" ", 1)
                 self.metrics.api_writes.labels(verb, kind)._value.set(n)  # mirror the client's counter
+
+    def _report_error(self, namespace: str, name: str, err: Exception) -> None:
+        """Make a failing reconcile visible in the job's status (best effort: the API may be what fails)."""
+        reason, message = error_reason(err)
+        try:
+            body = self.kube.get(FTJ, namespace, name)
+            if body is None:
+                return
+            prev = body.get("status") or {}
+            conds = [dict(c) for c in prev.get("conditions") or []]
+            old = next((c for c in conds if c["type"] == RECONCILED), None)
+            if old and (old.get("reason"), old.get("message")) == (reason, message):
+                return
+            set_condition(conds, RECONCILED, "False", reason, message, self.clock(), body["metadata"].get("generation"))
+            self.kube.patch_status(namespace, name, {"conditions": conds})
+        except Exception as again:  # the original error is what the queue retries and logs
+            log.debug("could not record reconcile error for %s/%s: %s", namespace, name, again)
 
     def _reconcile(self, namespace: str, name: str) -> str | None:
         body = self.kube.get(FTJ, namespace, name)
@@ -138,36 +205,68 @@ class Reconciler:
 
         if job is not None:
             if prev.get("phase") in TERMINAL:
-                # Finished: observe only. Never re-create children KubeRay or a user cleaned up.
-                observed.rayjob = self.kube.get(RAYJOB, namespace, names["rayJob"])
+                # Finished: observe only, and only our own RayJob. Never re-create children KubeRay or a
+                # user cleaned up.
+                rj = self.kube.get(RAYJOB, namespace, names["rayJob"])
+                if rj is not None and rj["metadata"].get("uid") == prev.get("rayJobUID") and owned_by(rj, meta["uid"]):
+                    observed.rayjob = rj
             else:
                 self._ensure_children(job, prev, names, observed)
 
         if job is not None and observed.rayjob is not None:
-            observed.pods = self.kube.list_objects(PODS, namespace, f"{JOB_LABEL}={name}")
             cluster_name = (observed.rayjob.get("status") or {}).get("rayClusterName")
+            if cluster_name:  # only the pods of this job's current Ray cluster (not an old incarnation's)
+                observed.pods = self.kube.list_objects(PODS, namespace, f"{JOB_LABEL}={name},ray.io/cluster={cluster_name}")
             if cluster_name and prev.get("phase") not in TERMINAL:
-                observed.raycluster = self.kube.get(RAYCLUSTER, namespace, cluster_name)
+                rc = self.kube.get(RAYCLUSTER, namespace, cluster_name)
+                if owned_by(rc, observed.rayjob["metadata"].get("uid") or ""):
+                    observed.raycluster = rc
             if prev.get("phase") not in TERMINAL:
                 observed.capacity = self._capacity(job)
-        elif job is not None and not observed.conflict:
+        elif job is not None and not observed.blocked and not observed.rayjob_lost:
             observed.capacity = self._capacity(job)
 
+        now = self.clock()
+        stall_timeout = job.spec.stall_policy.timeout_seconds if job is not None else None
         new = derive_status(
             generation=meta.get("generation"),
             suspend=bool((body.get("spec") or {}).get("suspend")),
             names=names,
             prev=prev,
             observed=observed,
-            now=self.clock(),
+            now=now,
+            stall_timeout_seconds=stall_timeout,
         )
         if prev.get("phase") in TERMINAL and new.get("phase") not in TERMINAL and observed.rayjob is None:
             new = {**prev, "observedGeneration": meta.get("generation")}  # finished and cleaned up: keep the verdict
+        stalled = any(c["type"] == STALLED and c["status"] == "True" for c in new.get("conditions") or [])
+        fail = stalled and job is not None and job.spec.stall_policy.action == s.StallAction.fail
+        if fail:
+            new = fail_stalled(new, now)
         self._write_status(body, prev, new)
+        if fail:
+            # Release the Ray cluster (and its GPUs): KubeRay deletes it when the RayJob is suspended.
+            self.kube.patch(RAYJOB, namespace, names["rayJob"], {"spec": {"suspend": True}}, kind="RayJob")
         phase = str(new.get("phase"))
         self.phases[(namespace, name)] = phase
         self.metrics.set_phase(namespace, name, phase)
+        self.metrics.set_stalled(namespace, name, stalled and not fail)
+        if observed.blocked:
+            self.requeue_after(namespace, name, BLOCKED_REQUEUE_SECONDS)
+        self._schedule_stall_check(namespace, name, new, now, stall_timeout)
         return phase
+
+    def _schedule_stall_check(self, namespace: str, name: str, status: Obj, now: str, timeout: int | None) -> None:
+        """Look again when the job would turn Stalled if no report arrives (at most one timer per job)."""
+        left = seconds_until_stall(status, now, timeout)
+        if left is None:
+            return
+        due = time.monotonic() + left
+        pending = self._stall_checks.get((namespace, name))
+        if pending is not None and time.monotonic() < pending <= due:
+            return  # an earlier check is already scheduled; it reschedules itself
+        self._stall_checks[(namespace, name)] = due
+        self.requeue_after(namespace, name, left)
 
     def _capacity(self, job: s.FinetuneJob) -> Any:
         nodes = self.kube.list_objects(NODES, None, f"node.kubernetes.io/instance-type={job.spec.cluster.instance_type}")
@@ -175,6 +274,15 @@ class Reconciler:
 
     def _ensure_children(self, job: s.FinetuneJob, prev: Obj, names: dict[str, str], observed: Observed) -> None:
         ns = job.metadata.namespace or "default"
+        uid = job.metadata.uid or ""
+        recorded = prev.get("rayJobUID")
+        if recorded:
+            rj = self.kube.get(RAYJOB, ns, names["rayJob"])
+            if rj is None or rj["metadata"].get("uid") != recorded:
+                # Our RayJob is gone. Never create another one: that would run the training again.
+                observed.rayjob_lost = True
+                observed.last_rayjob_status = self.final_rayjob_status.get(recorded)
+                return
         if prev.get("rayJobName") != names["rayJob"]:
             # Record the child names before creating anything: a crash between create and record can
             # then never lead to a second, differently named child.
@@ -187,9 +295,9 @@ class Reconciler:
             observed.spec_issues = err.issues
             return
         current = {o["metadata"]["name"]: self.kube.get(gvr_of(o), ns, o["metadata"]["name"]) for o in desired}
-        for action in plan_children(desired, current, job.metadata.uid or ""):
-            if action.conflict:
-                observed.conflict = action.conflict
+        for action in plan_children(desired, current, uid):
+            if action.blocked:
+                observed.blocked = action.blocked
                 return
             name = action.obj["metadata"]["name"]
             if action.apply:
@@ -199,15 +307,23 @@ class Reconciler:
                     if err.status == 403 and "being terminated" in err.message:
                         return  # the namespace is going away, and this job with it
                     if err.status in (400, 422):
-                        observed.spec_issues = [Issue(f"{action.obj['kind']} {name}", f"rejected by the API server: {err.message}")]
+                        # Admission (a policy, a webhook, a KubeRay CRD of another version) refused it. The
+                        # cause can go away: not terminal, retried.
+                        observed.blocked = ("ChildRejected", f"{action.obj['kind']} {name} rejected by the API server: {err.message}"[:1000])
                         return
                     raise
+            created = current[name]
+            if name == names["rayJob"] and not recorded and created is not None:
+                # Record the RayJob's UID at once: from now on, if it disappears, it is never re-created.
+                recorded = created["metadata"]["uid"]
+                self.kube.patch_status(ns, job.metadata.name, {"rayJobUID": recorded})
+                prev["rayJobUID"] = recorded
         observed.rayjob = current.get(names["rayJob"])
 
     def _write_status(self, body: Obj, prev: Obj, new: Obj) -> None:
         meta = body["metadata"]
-        managed_prev = {k: v for k, v in prev.items() if k not in ("training", "network", "step")}
-        managed_new = {k: v for k, v in new.items() if k not in ("training", "network", "step")}
+        managed_prev = {k: v for k, v in prev.items() if k not in PROGRESS_FIELDS}
+        managed_new = {k: v for k, v in new.items() if k not in PROGRESS_FIELDS}
         if managed_prev == managed_new:
             return  # nothing changed: no write (an idle operator makes no API writes)
         patch = dict(managed_new)
@@ -224,3 +340,29 @@ class Reconciler:
                 type_="Warning" if new_phase == Phase.failed.value else "Normal",
                 now=self.clock(),
             )
+        for ctype, reason_status in ((STALLED, "True"),):
+            c_new = next((c for c in new.get("conditions") or [] if c["type"] == ctype), None)
+            c_old = next((c for c in prev.get("conditions") or [] if c["type"] == ctype), None)
+            if c_new and c_new["status"] == reason_status and (not c_old or c_old["status"] != reason_status):
+                self.kube.event({"apiVersion": s.API_VERSION, "kind": s.KIND, "metadata": meta},
+                                reason="Stalled", message=str(c_new["message"]), type_="Warning", now=self.clock())
+        blocked = next((c for c in new.get("conditions") or [] if c["type"] == BLOCKED), None)
+        was = next((c for c in prev.get("conditions") or [] if c["type"] == BLOCKED), None)
+        if blocked and (not was or was.get("reason") != blocked.get("reason")):
+            self.kube.event({"apiVersion": s.API_VERSION, "kind": s.KIND, "metadata": meta},
+                            reason=str(blocked["reason"]), message=str(blocked["message"]), type_="Warning",
+                            now=self.clock())
+
+
+def error_reason(err: Exception) -> tuple[str, str]:
+    """(reason, message) a user can act on, for an exception out of a reconcile."""
+    if isinstance(err, ApiError):
+        if err.status == 404 and "ray.io" in str(err):
+            return ("KubeRayNotInstalled", "the API server does not serve ray.io/v1 RayJobs: install the KubeRay "
+                                           f"operator and its CRDs ({err})"[:1000])
+        if err.status == 403:
+            return "Forbidden", f"the operator is not allowed to do this; check its RBAC (deploy/rbac.yaml): {err}"[:1000]
+        if err.status == 401:
+            return "Unauthorized", f"the API server rejected the operator's credentials: {err}"[:1000]
+        return f"ApiError{err.status}", str(err)[:1000]
+    return type(err).__name__, str(err)[:1000] or type(err).__name__

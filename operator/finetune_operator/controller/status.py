@@ -7,7 +7,9 @@ derived here: they arrive through the progress channel and are carried over unto
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from typing import Any
 
 from ..api.status import Phase
@@ -18,6 +20,8 @@ Obj = dict[str, Any]
 
 # Condition types, in the order they are listed.
 SPEC_VALID = "SpecValid"
+BLOCKED = "Blocked"
+RECONCILED = "Reconciled"
 CAPACITY = "CapacityAvailable"
 SCHEDULED = "WorkersScheduled"
 PODS_HEALTHY = "PodsHealthy"
@@ -26,7 +30,13 @@ SUSPENDED = "Suspended"
 COMPLETE = "Complete"
 FAILED = "Failed"
 NETWORK = "NetworkHealthy"
-ORDER = [SPEC_VALID, CAPACITY, SCHEDULED, PODS_HEALTHY, RUNNING, SUSPENDED, COMPLETE, FAILED, NETWORK]
+STALLED = "Stalled"
+ORDER = [SPEC_VALID, RECONCILED, BLOCKED, CAPACITY, SCHEDULED, PODS_HEALTHY, RUNNING, STALLED, SUSPENDED, COMPLETE,
+         FAILED, NETWORK]
+
+STALL_FLOOR_SECONDS = 900.0  # never call a job hung sooner than this without an explicit timeout
+STALL_STEP_FACTOR = 10.0  # ... nor sooner than this many observed step times
+_WATCHDOG = "watchdog caught collective operation timeout"
 
 _IMAGE_PULL = {"ErrImagePull", "ImagePullBackOff", "InvalidImageName", "ErrImageNeverPull"}
 _CRASH = {"CrashLoopBackOff", "CreateContainerConfigError", "CreateContainerError", "RunContainerError"}
@@ -39,7 +49,21 @@ class Observed:
     pods: list[Obj] = field(default_factory=list)
     capacity: Capacity | None = None
     spec_issues: list[Issue] = field(default_factory=list)
-    conflict: str | None = None  # a child exists that another owner controls
+    # (reason, message): the children cannot be created or updated yet for a reason that can go away
+    # (a child of the same name owned by someone else, e.g. a deleted FinetuneJob of the same name whose
+    # RayJob still waits on KubeRay's finalizer; an admission rejection). Never terminal.
+    blocked: tuple[str, str] | None = None
+    # The RayJob recorded in status.rayJobUID is gone (deleted by KubeRay, a user or a cleanup).
+    rayjob_lost: bool = False
+    # The last status the watch saw of that RayJob (its DELETED event carries its final state).
+    last_rayjob_status: Obj | None = None
+
+
+# Carried over from the previous status untouched: progress (written by the progress flusher), the
+# recorded child UID and times.
+CARRIED = ("training", "network", "step", "runtimePhase", "rayJobUID", "startTime", "completionTime")
+# Written only by the progress flusher (never part of the reconcile's change detection).
+PROGRESS_FIELDS = ("training", "network", "step", "runtimePhase")
 
 
 def set_condition(conds: list[Obj], ctype: str, status: str, reason: str, message: str, now: str, gen: int | None) -> None:
@@ -79,9 +103,107 @@ def _pod_problems(pods: list[Obj]) -> tuple[list[str], list[tuple[str, str]]]:
     return unsched, broken
 
 
+def _replica_failure(raycluster: Obj | None) -> tuple[str, str] | None:
+    """KubeRay's RayCluster `ReplicaFailure` condition: pod creation refused (Pod Security admission,
+    ResourceQuota, LimitRange, ...). The pods never exist, so only the RayCluster says why."""
+    for c in ((raycluster or {}).get("status") or {}).get("conditions") or []:
+        if c.get("type") == "ReplicaFailure" and c.get("status") == "True":
+            reason = str(c.get("reason") or "ReplicaFailure")
+            return reason, f"KubeRay cannot create the Ray pods ({reason}): {c.get('message') or ''}".rstrip(": ")[:1000]
+    return None
+
+
 def _attempt(rj_status: Obj, terminal_failed: bool) -> int:
     failed = int(rj_status.get("failed") or 0)
     return max(1, failed if terminal_failed and failed else failed + 1)
+
+
+def _decide_lost(status: Obj, conds: list[Obj], cond: Callable[[str, bool | None, str, str], None],
+                 finish: Callable[[Phase, str], Obj], prev: Obj, names: dict[str, str], now: str) -> Obj:
+    """The recorded RayJob vanished before its outcome was observed: it is never re-created (that would
+    run the training again). Decide from what is known: the training runtime's own final report."""
+    status["completionTime"] = status.get("completionTime") or now
+    gone = (f"RayJob {names['rayJob']} was deleted before the operator saw its outcome (KubeRay's "
+            f"DELETE_RAYJOB_CR_AFTER_JOB_FINISHES, a user or a cleanup, possibly while the operator was down)")
+    step = status.get("step")
+    runtime = status.get("runtimePhase")
+    _drop(conds, SUSPENDED)
+    if runtime == "Done":
+        cond(RUNNING, False, "Finished", "the training reported it finished")
+        cond(COMPLETE, True, "TrainingReportedDone",
+             f"{gone}; the training had reported phase Done" + (f" at step {step}" if step else ""))
+        _drop(conds, FAILED)
+        return finish(Phase.succeeded, "fine-tuning succeeded (reported by the training; the RayJob is gone)")
+    if runtime == "Failed":
+        reason, why = "TrainingReportedFailed", f"{gone}; the training had reported phase Failed"
+    else:
+        last = prev.get("phase") or "unknown"
+        reason = "RayJobDeleted"
+        why = (f"{gone}; last known phase {last}" + (f", step {step}" if step else "") +
+               "; no final report from the training. Not re-created, so the training does not run again: "
+               "delete and re-create the FinetuneJob to run it again")
+    _drop(conds, COMPLETE)
+    cond(RUNNING, False, "Finished", "the RayJob is gone")
+    cond(FAILED, True, reason, why)
+    return finish(Phase.failed, why)
+
+
+def parse_time(ts: str | None) -> datetime | None:
+    if not ts:
+        return None
+    for fmt in ("%Y-%m-%dT%H:%M:%SZ", "%Y-%m-%dT%H:%M:%S.%fZ"):
+        try:
+            return datetime.strptime(ts, fmt).replace(tzinfo=UTC)
+        except ValueError:
+            continue
+    return None
+
+
+def stall_window(timeout_seconds: int | None, training: Obj) -> float:
+    """Seconds without a progress report after which a running job is Stalled: the policy's timeout, else
+    STALL_STEP_FACTOR x the step time observed from the training's own ETA, at least the floor."""
+    if timeout_seconds:
+        return float(timeout_seconds)
+    eta, step, total = training.get("etaSeconds"), training.get("step"), training.get("totalSteps")
+    if eta and step is not None and total and total > step:
+        return max(STALL_FLOOR_SECONDS, STALL_STEP_FACTOR * float(eta) / float(total - step))
+    return STALL_FLOOR_SECONDS
+
+
+def stall_check(status: Obj, conds: list[Obj], now: str, timeout_seconds: int | None) -> tuple[str, str] | None:
+    """(reason, message) when the running job looks hung; None while it progresses. Pure."""
+    training: Obj = status.get("training") or {}
+    net: Obj = status.get("network") or {}
+    if _WATCHDOG in str(net.get("message") or "").lower():
+        return "NcclWatchdogTimeout", f"the workers report an NCCL watchdog timeout: {net.get('message')}"[:1000]
+    running = next((c for c in conds if c["type"] == RUNNING and c.get("status") == "True"), None)
+    since = training.get("lastReportTime") or (running or {}).get("lastTransitionTime")
+    t_since, t_now = parse_time(since), parse_time(now)
+    if t_since is None or t_now is None:
+        return None
+    window = stall_window(timeout_seconds, training)
+    if (t_now - t_since).total_seconds() <= window:
+        return None
+    if training.get("lastReportTime"):
+        step = training.get("step")
+        total = training.get("totalSteps")
+        at = f" at step {step}/{total}" if step is not None and total else (f" at step {step}" if step is not None else "")
+        return ("NoProgress", f"no progress report since {since}{at} (window {window:.0f}s): the training may be hung "
+                              "(NCCL, a stuck data loader, a dead node); see the workers' logs")
+    return ("NoProgress", f"running since {since} without any progress report (window {window:.0f}s): the training "
+                          "may be hung starting up (NCCL init, model download); see the workers' logs")
+
+
+def seconds_until_stall(status: Obj, now: str, timeout_seconds: int | None) -> float | None:
+    """When to look again for a running job that is not stalled yet (None: nothing to watch)."""
+    training: Obj = status.get("training") or {}
+    running = next((c for c in status.get("conditions") or [] if c["type"] == RUNNING and c.get("status") == "True"), None)
+    since = parse_time(training.get("lastReportTime") or (running or {}).get("lastTransitionTime"))
+    t_now = parse_time(now)
+    if since is None or t_now is None or status.get("phase") != "Running":
+        return None
+    left = stall_window(timeout_seconds, training) - (t_now - since).total_seconds()
+    return left + 1.0 if left >= 0 else None
 
 
 def derive_status(
@@ -92,9 +214,10 @@ def derive_status(
     prev: Obj,
     observed: Observed,
     now: str,
+    stall_timeout_seconds: int | None = None,
 ) -> Obj:
     conds: list[Obj] = [dict(c) for c in prev.get("conditions") or []]
-    status: Obj = {k: v for k, v in prev.items() if k in ("training", "network", "step", "startTime", "completionTime")}
+    status: Obj = {k: v for k, v in prev.items() if k in CARRIED}
     status.update(
         observedGeneration=generation,
         rayJobName=names["rayJob"],
@@ -105,6 +228,8 @@ def derive_status(
         set_condition(conds, ctype, "Unknown" if ok is None else str(ok), reason, message, now, generation)
 
     def finish(phase: Phase, message: str) -> Obj:
+        if phase != Phase.running:
+            _drop(conds, STALLED)
         status["phase"] = phase.value
         status["message"] = message
         status["conditions"] = sorted(conds, key=lambda c: ORDER.index(c["type"]) if c["type"] in ORDER else 99)
@@ -117,9 +242,13 @@ def derive_status(
         cond(FAILED, True, "InvalidSpec", text)
         return finish(Phase.failed, f"invalid spec: {text}")
     cond(SPEC_VALID, True, "Valid", "spec is valid for the instance type")
-    if observed.conflict:
-        cond(FAILED, True, "ChildConflict", observed.conflict)
-        return finish(Phase.failed, observed.conflict)
+    _drop(conds, RECONCILED)  # this derivation is the outcome of a reconcile that did not fail
+    if observed.blocked:
+        reason, message = observed.blocked
+        cond(BLOCKED, True, reason, message)
+        _drop(conds, RUNNING)
+        return finish(Phase.pending, message)
+    _drop(conds, BLOCKED)
 
     net = status.get("network") or {}
     if net.get("healthy") is not None:
@@ -136,14 +265,23 @@ def derive_status(
         cond(SCHEDULED, False, "Unschedulable", "; ".join(unsched)[:1000])
     elif worker_pods:
         cond(SCHEDULED, True, "Scheduled", f"{len(worker_pods)} worker pod(s) bound to nodes")
+    replica_failure = _replica_failure(observed.raycluster)
     if broken:
         reason = broken[0][0]
         cond(PODS_HEALTHY, False, reason, "; ".join(m for _, m in broken)[:1000])
+    elif replica_failure:
+        cond(PODS_HEALTHY, False, replica_failure[0], replica_failure[1])
     elif observed.pods:
         cond(PODS_HEALTHY, True, "ContainersOK", "no image pull or container start failures")
 
     # -- the RayJob -----------------------------------------------------------------------------------
     rj = observed.rayjob
+    if rj is None and observed.rayjob_lost:
+        last = observed.last_rayjob_status or {}
+        if last.get("jobDeploymentStatus") in ("Complete", "Failed", "ValidationFailed"):
+            rj = {"status": last}  # the watch saw its final state: decide from that
+        else:
+            return _decide_lost(status, conds, cond, finish, prev, names, now)
     if rj is None:
         _drop(conds, RUNNING)
         if suspend:
@@ -151,6 +289,9 @@ def derive_status(
             return finish(Phase.suspended, "suspended")
         return finish(Phase.pending, "creating the RayJob")
     rs: Obj = rj.get("status") or {}
+    uid = (rj.get("metadata") or {}).get("uid")
+    if uid:
+        status["rayJobUID"] = uid
     deploy = rs.get("jobDeploymentStatus") or ""
     job_status = rs.get("jobStatus") or ""
     for key, src in (("rayClusterName", "rayClusterName"), ("jobId", "jobId"), ("dashboardURL", "dashboardURL")):
@@ -194,7 +335,14 @@ def derive_status(
     _drop(conds, SUSPENDED)
     if deploy == "Running":
         cond(RUNNING, True, "RayJobRunning", f"Ray job {rs.get('jobId') or ''} {job_status or 'submitted'}".replace("  ", " "))
+        stalled = stall_check(status, conds, now, stall_timeout_seconds)
+        if stalled:
+            cond(STALLED, True, *stalled)
+            return finish(Phase.running, f"stalled: {stalled[1]}")
+        if any(c["type"] == STALLED for c in conds):
+            cond(STALLED, False, "Progressing", "progress reports are arriving")
         return finish(Phase.running, "training")
+    _drop(conds, STALLED)
     # Initializing / Waiting / Retrying / New: the cluster is coming up.
     rc: Obj = (observed.raycluster or {}).get("status") or {}
     why = "waiting for the Ray cluster"
@@ -209,10 +357,26 @@ def derive_status(
         why = "worker pods unschedulable: " + unsched[0]
     elif broken:
         why = broken[0][1]
+    elif replica_failure:
+        why = replica_failure[1]
     elif observed.capacity is not None and not observed.capacity.fits:
         why = observed.capacity.message
     cond(RUNNING, False, "Provisioning", why)
     return finish(Phase.provisioning, why)
+
+
+def fail_stalled(status: Obj, now: str) -> Obj:
+    """spec.stallPolicy.action Fail: the stalled running job becomes Failed (reason Stalled). Pure."""
+    conds = [dict(c) for c in status.get("conditions") or []]
+    stalled = next(c for c in conds if c["type"] == STALLED)
+    gen = stalled.get("observedGeneration")
+    message = f"stalled ({stalled['reason']}): {stalled['message']}; failed by spec.stallPolicy.action Fail"[:1000]
+    set_condition(conds, RUNNING, "False", "Finished", "failed as stalled; the Ray cluster is released", now, gen)
+    set_condition(conds, FAILED, "True", "Stalled", message, now, gen)
+    _drop(conds, STALLED)
+    out = {**status, "phase": Phase.failed.value, "message": message, "completionTime": now}
+    out["conditions"] = sorted(conds, key=lambda c: ORDER.index(c["type"]) if c["type"] in ORDER else 99)
+    return out
 
 
 def strip_times(status: Obj) -> Obj:
