@@ -8,7 +8,7 @@ import pytest
 from finetune_operator.api.validation import Issue, parse_job
 from finetune_operator.controller.preflight import check_capacity
 from finetune_operator.controller.reconcile import plan_children, with_hash
-from finetune_operator.controller.status import Observed, derive_status, fail_stalled, seconds_until_stall
+from finetune_operator.controller.status import Observed, derive_status, fail_stalled, pods_of, seconds_until_stall
 
 from tests.builders import JobDoc
 
@@ -296,3 +296,15 @@ def test_stalled_clears_and_leaves_with_running() -> None:
     failed = fail_stalled(hung, LATER)
     assert failed["phase"] == "Failed" and cond(failed, "Failed")["reason"] == "Stalled"
     assert cond(failed, "Running")["status"] == "False" and not any(c["type"] == "Stalled" for c in failed["conditions"])
+
+
+def test_only_the_current_rayjobs_pods_are_observed() -> None:
+    rj = {"metadata": {"name": "j", "creationTimestamp": "2026-12-02T10:00:00Z"}, "status": {"rayClusterName": "j-new"}}
+
+    def p(name: str, created: str, cluster: str | None) -> dict[str, Any]:
+        labels = {"ray.io/cluster": cluster} if cluster else {}
+        return {"metadata": {"name": name, "creationTimestamp": created, "labels": labels}}
+
+    pods = [p("new-worker", "2026-12-02T10:01:00Z", "j-new"), p("old-worker", "2026-12-02T09:00:00Z", "j-old"),
+            p("new-submitter", "2026-12-02T10:02:00Z", None), p("old-submitter", "2026-12-02T09:01:00Z", None)]
+    assert [x["metadata"]["name"] for x in pods_of(pods, rj)] == ["new-worker", "new-submitter"]

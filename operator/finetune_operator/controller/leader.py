@@ -23,9 +23,13 @@ LEADER_LABEL = "finetune.dev/operator-leader"
 
 
 def label_own_pod(kube: Kube, namespace: str, pod: str, leader: bool) -> None:
-    """Mark (or unmark) this replica's pod as the leader's. Not fenced: it only concerns this replica."""
-    kube.patch(PODS, namespace, pod, {"metadata": {"labels": {LEADER_LABEL: "true" if leader else None}}},
-               kind="Pod", fenced=False)
+    """Mark (or unmark) this replica's pod as the leader's. Not fenced: it only concerns this replica.
+    Best effort: a failure is logged (reports then wait for the label), never fatal."""
+    try:
+        kube.patch(PODS, namespace, pod, {"metadata": {"labels": {LEADER_LABEL: "true" if leader else None}}},
+                   kind="Pod", fenced=False)
+    except Exception as err:
+        log.error("could not %s pod %s/%s: %s", "label" if leader else "unlabel", namespace, pod, err)
 
 
 def _now() -> datetime:

@@ -33,6 +33,7 @@ from .status import (
     Observed,
     derive_status,
     fail_stalled,
+    pods_of,
     seconds_until_stall,
     set_condition,
 )
@@ -215,8 +216,7 @@ class Reconciler:
 
         if job is not None and observed.rayjob is not None:
             cluster_name = (observed.rayjob.get("status") or {}).get("rayClusterName")
-            if cluster_name:  # only the pods of this job's current Ray cluster (not an old incarnation's)
-                observed.pods = self.kube.list_objects(PODS, namespace, f"{JOB_LABEL}={name},ray.io/cluster={cluster_name}")
+            observed.pods = pods_of(self.kube.list_objects(PODS, namespace, f"{JOB_LABEL}={name}"), observed.rayjob)
             if cluster_name and prev.get("phase") not in TERMINAL:
                 rc = self.kube.get(RAYCLUSTER, namespace, cluster_name)
                 if owned_by(rc, observed.rayjob["metadata"].get("uid") or ""):
@@ -236,6 +236,7 @@ class Reconciler:
             observed=observed,
             now=now,
             stall_timeout_seconds=stall_timeout,
+            detect_stalls=bool(self.cfg.progress_url),  # no progress channel: silence means nothing
         )
         if prev.get("phase") in TERMINAL and new.get("phase") not in TERMINAL and observed.rayjob is None:
             new = {**prev, "observedGeneration": meta.get("generation")}  # finished and cleaned up: keep the verdict
@@ -258,7 +259,7 @@ class Reconciler:
 
     def _schedule_stall_check(self, namespace: str, name: str, status: Obj, now: str, timeout: int | None) -> None:
         """Look again when the job would turn Stalled if no report arrives (at most one timer per job)."""
-        left = seconds_until_stall(status, now, timeout)
+        left = seconds_until_stall(status, now, timeout) if self.cfg.progress_url else None
         if left is None:
             return
         due = time.monotonic() + left

@@ -113,6 +113,22 @@ def _replica_failure(raycluster: Obj | None) -> tuple[str, str] | None:
     return None
 
 
+def pods_of(pods: list[Obj], rayjob: Obj) -> list[Obj]:
+    """The job's pods that belong to this RayJob: its Ray cluster's, and cluster-less ones (the submitter)
+    created after it; never a previous incarnation's (a deleted FinetuneJob of the same name)."""
+    cluster = (rayjob.get("status") or {}).get("rayClusterName")
+    born = str(rayjob["metadata"].get("creationTimestamp") or "")
+    out = []
+    for p in pods:
+        labels = p["metadata"].get("labels") or {}
+        if "ray.io/cluster" in labels:
+            if cluster and labels["ray.io/cluster"] == cluster:
+                out.append(p)
+        elif str(p["metadata"].get("creationTimestamp") or "") >= born:
+            out.append(p)
+    return out
+
+
 def _attempt(rj_status: Obj, terminal_failed: bool) -> int:
     failed = int(rj_status.get("failed") or 0)
     return max(1, failed if terminal_failed and failed else failed + 1)
@@ -215,6 +231,7 @@ def derive_status(
     observed: Observed,
     now: str,
     stall_timeout_seconds: int | None = None,
+    detect_stalls: bool = True,
 ) -> Obj:
     conds: list[Obj] = [dict(c) for c in prev.get("conditions") or []]
     status: Obj = {k: v for k, v in prev.items() if k in CARRIED}
@@ -335,7 +352,7 @@ def derive_status(
     _drop(conds, SUSPENDED)
     if deploy == "Running":
         cond(RUNNING, True, "RayJobRunning", f"Ray job {rs.get('jobId') or ''} {job_status or 'submitted'}".replace("  ", " "))
-        stalled = stall_check(status, conds, now, stall_timeout_seconds)
+        stalled = stall_check(status, conds, now, stall_timeout_seconds) if detect_stalls else None
         if stalled:
             cond(STALLED, True, *stalled)
             return finish(Phase.running, f"stalled: {stalled[1]}")
