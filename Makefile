@@ -27,6 +27,7 @@ test-integration: setup control-plane
 crd: setup
 	.venv/bin/finetune crd > crds/finetune.dev_finetunejobs.yaml
 	.venv/bin/finetune crd --markdown > docs/api.md
+	.venv/bin/finetune crd --instance-types > deploy/instance-types.yaml
 
 golden: setup
 	.venv/bin/python -m pytest -q tests/unit/test_render.py --update-golden

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 import os
 import signal
 import socket
-import ssl
 import sys
 import uuid
 from typing import Any
@@ -38,6 +38,10 @@ def register(sub: Any) -> None:
     p.add_argument("--leader-elect", action=argparse.BooleanOptionalAction, default=True, help="take a Lease before acting")
     p.add_argument("--lease-namespace", default=os.environ.get("POD_NAMESPACE", "default"))
     p.add_argument("--lease-name", default="finetune-operator-leader")
+    p.add_argument("--submitter-image", default=None,
+                   help="image of the pod that runs `ray job submit` ({rayVersion} is replaced; default: a Ray CPU image)")
+    p.add_argument("--config-namespace", default=os.environ.get("POD_NAMESPACE", "finetune-system"),
+                   help="namespace of the ConfigMaps with instance-type figures and the allow-list (deploy/)")
     p.add_argument("--identity", default=os.environ.get("POD_NAME") or f"{socket.gethostname()}-{uuid.uuid4().hex[:6]}")
     p.add_argument("--log-level", default="INFO")
     p.set_defaults(func=main)
@@ -65,6 +69,7 @@ async def run(args: argparse.Namespace) -> int:
     import kopf
     from aiohttp import web
 
+    from .controller.clusterconfig import ClusterConfig
     from .controller.handlers import build_registry, settings_for_embedding
     from .controller.k8s import Kube, load_config
     from .controller.leader import LeaderElector
@@ -78,19 +83,27 @@ async def run(args: argparse.Namespace) -> int:
     api = load_config(args.kubeconfig)
     kube = Kube(api)
     metrics = Metrics()
-    reconciler = Reconciler(kube, RenderConfig(progress_url=args.progress_url), runtime_files(), metrics)
+    render_cfg = RenderConfig(progress_url=args.progress_url)
+    if args.submitter_image:
+        render_cfg = dataclasses.replace(render_cfg, submitter_image=args.submitter_image)
+    reconciler = Reconciler(kube, render_cfg, runtime_files(), metrics,
+                            cluster_config=ClusterConfig(kube, args.config_namespace))
     queue = WorkQueue(reconciler.reconcile, workers=args.workers)
     progress = ProgressServer(kube, metrics, on_flushed=queue.add, flush_interval=args.flush_interval)
 
     ssl_ctx = None
+    reloader = None
     if args.tls_cert:
-        ssl_ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-        ssl_ctx.load_cert_chain(args.tls_cert, args.tls_key)
+        from .controller.tls import CertificateReloader
+
+        reloader = CertificateReloader(args.tls_cert, args.tls_key)
+        ssl_ctx = reloader.context
     runner = web.AppRunner(progress.app(), access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, args.listen, args.port, ssl_context=ssl_ctx)
     await site.start()
     log.info("serving progress/metrics on %s:%d (%s)", args.listen, args.port, "https" if ssl_ctx else "http")
+    cert_watch = asyncio.create_task(reloader.watch()) if reloader else None
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -153,6 +166,8 @@ async def run(args: argparse.Namespace) -> int:
     await queue.stop()
     if elector and not lost:
         await asyncio.to_thread(elector.release)
+    if cert_watch:
+        cert_watch.cancel()
     await runner.cleanup()
     for t in done:
         if t in tasks and not t.cancelled() and t.exception():

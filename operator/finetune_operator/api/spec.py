@@ -31,7 +31,7 @@ DEFAULT_INSTANCE_TYPE = "g6.12xlarge"
 
 _QUANTITY = r"^([+]?[0-9.]+)([eEinumkKMGTP]*[-+]?[0-9]*)$"
 _K8S_NAME = r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$"
-_DNS1035 = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
+_DNS1035 = DNS1035 = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
 _ENV_NAME = r"^[-._a-zA-Z][-._a-zA-Z0-9]*$"
 _SOURCE = r"^(s3://[^/]+(/.*)?|pvc://[a-z0-9]([-a-z0-9.]*[a-z0-9])?(/.*)?|/.*|\./.*|[A-Za-z0-9][-\w.]*(/[-\w.]+)?)$"
 
@@ -556,6 +556,15 @@ class FinetuneJobSpec(SpecModel):
         default=None,
         ge=0,
         description="Delete the Ray cluster this long after the job finishes (default: deleted right away).",
+    )
+    ttl_seconds_after_failure: int = Field(
+        default=900,
+        ge=0,
+        le=7 * 86400,
+        description=(
+            "Keep the Ray pods of a failed job this long (so their logs can be read) before the Ray cluster is "
+            "deleted; never shorter than ttlSecondsAfterFinished. 0 deletes them as soon as the job fails."
+        ),
     )
 
     @property

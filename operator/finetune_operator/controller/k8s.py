@@ -148,9 +148,9 @@ class Kube:
             content_type="application/merge-patch+json",
         )
 
-    def patch(self, gvr: tuple[str, str, str], namespace: str, name: str, body: Obj, kind: str) -> Obj:
-        return self._write("patch", kind, "PATCH", _path(gvr, namespace, name), body=body,
-                           content_type="application/merge-patch+json")
+    def patch(self, gvr: tuple[str, str, str], namespace: str, name: str, body: Obj, kind: str,
+              content_type: str = "application/merge-patch+json") -> Obj:
+        return self._write("patch", kind, "PATCH", _path(gvr, namespace, name), body=body, content_type=content_type)
 
     def create(self, gvr: tuple[str, str, str], namespace: str | None, body: Obj, kind: str) -> Obj:
         return self._write("create", kind, "POST", _path(gvr, namespace), body=body)

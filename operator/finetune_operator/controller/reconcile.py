@@ -7,6 +7,7 @@ what was rendered; status is compared before patching).
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -18,13 +19,16 @@ from datetime import UTC, datetime
 from typing import Any
 
 from ..api import spec as s
+from ..api.policy import policy_issues
 from ..api.status import Phase
 from ..api.validation import Issue, SpecError, parse_job
 from ..render.config import RenderConfig
-from ..render.rayjob import JOB_LABEL, child_names, render_children
+from ..render.rayjob import JOB_LABEL, child_names, is_shared, render_children
+from .clusterconfig import ClusterConfig
 from .k8s import FTJ, NODES, PODS, RAYCLUSTER, RAYJOB, ApiError, Kube, gvr_of
 from .metrics import Metrics
 from .preflight import check_capacity
+from .shared import ensure_shared
 from .status import Observed, derive_status
 
 Obj = dict[str, Any]
@@ -92,9 +96,11 @@ class Reconciler:
         runtime_files: Mapping[str, str],
         metrics: Metrics | None = None,
         clock: Callable[[], str] = utcnow,
+        cluster_config: ClusterConfig | None = None,
     ):
         self.kube = kube
         self.cfg = cfg
+        self.cluster_config = cluster_config
         self.runtime_files = dict(runtime_files)
         self.metrics = metrics or Metrics()
         self.clock = clock
@@ -131,8 +137,9 @@ class Reconciler:
         names = child_names(name)
         observed = Observed()
         job: s.FinetuneJob | None = None
+        cfg = self.cfg
         try:
-            job = parse_job(job_document(body))
+            job, cfg = self._parse(body)
         except SpecError as err:
             observed.spec_issues = err.issues
 
@@ -141,7 +148,7 @@ class Reconciler:
                 # Finished: observe only. Never re-create children KubeRay or a user cleaned up.
                 observed.rayjob = self.kube.get(RAYJOB, namespace, names["rayJob"])
             else:
-                self._ensure_children(job, prev, names, observed)
+                self._ensure_children(job, prev, names, observed, cfg)
 
         if job is not None and observed.rayjob is not None:
             observed.pods = self.kube.list_objects(PODS, namespace, f"{JOB_LABEL}={name}")
@@ -149,9 +156,9 @@ class Reconciler:
             if cluster_name and prev.get("phase") not in TERMINAL:
                 observed.raycluster = self.kube.get(RAYCLUSTER, namespace, cluster_name)
             if prev.get("phase") not in TERMINAL:
-                observed.capacity = self._capacity(job)
+                observed.capacity = self._capacity(job, cfg)
         elif job is not None and not observed.conflict:
-            observed.capacity = self._capacity(job)
+            observed.capacity = self._capacity(job, cfg)
 
         new = derive_status(
             generation=meta.get("generation"),
@@ -169,11 +176,25 @@ class Reconciler:
         self.metrics.set_phase(namespace, name, phase)
         return phase
 
-    def _capacity(self, job: s.FinetuneJob) -> Any:
-        nodes = self.kube.list_objects(NODES, None, f"node.kubernetes.io/instance-type={job.spec.cluster.instance_type}")
-        return check_capacity(job.spec, nodes)
+    def _parse(self, body: Obj) -> tuple[s.FinetuneJob, RenderConfig]:
+        """Validate against the cluster's instance-type figures and allow-list (clusterconfig.py); the
+        render settings carry the same figures."""
+        if self.cluster_config is None:
+            return parse_job(job_document(body)), self.cfg
+        itype = str(((body.get("spec") or {}).get("cluster") or {}).get("instanceType") or s.DEFAULT_INSTANCE_TYPE)
+        table = self.cluster_config.instance_types(itype)
+        job = parse_job(job_document(body), table)
+        issues = policy_issues(job.spec, self.cluster_config.allow_list())
+        if issues:
+            raise SpecError(issues)
+        return job, dataclasses.replace(self.cfg, instance_types=table)
 
-    def _ensure_children(self, job: s.FinetuneJob, prev: Obj, names: dict[str, str], observed: Observed) -> None:
+    def _capacity(self, job: s.FinetuneJob, cfg: RenderConfig | None = None) -> Any:
+        nodes = self.kube.list_objects(NODES, None, f"node.kubernetes.io/instance-type={job.spec.cluster.instance_type}")
+        return check_capacity(job.spec, nodes, (cfg or self.cfg).instance_types)
+
+    def _ensure_children(self, job: s.FinetuneJob, prev: Obj, names: dict[str, str], observed: Observed,
+                         cfg: RenderConfig | None = None) -> None:
         ns = job.metadata.namespace or "default"
         if prev.get("rayJobName") != names["rayJob"]:
             # Record the child names before creating anything: a crash between create and record can
@@ -182,10 +203,13 @@ class Reconciler:
             if os.environ.get("FINETUNE_TEST_CRASH_AFTER_NAMES") == "1":
                 os._exit(137)  # test hook: die like a SIGKILL at the worst moment (see test_operator.py)
         try:
-            desired = render_children(job, self.runtime_files, self.cfg)
+            desired = render_children(job, self.runtime_files, cfg or self.cfg)
         except SpecError as err:
             observed.spec_issues = err.issues
             return
+        for obj in [o for o in desired if is_shared(o)]:
+            ensure_shared(self.kube, obj)
+        desired = [o for o in desired if not is_shared(o)]
         current = {o["metadata"]["name"]: self.kube.get(gvr_of(o), ns, o["metadata"]["name"]) for o in desired}
         for action in plan_children(desired, current, job.metadata.uid or ""):
             if action.conflict:
