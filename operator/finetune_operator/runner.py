@@ -75,7 +75,7 @@ async def run(args: argparse.Namespace) -> int:
     from .controller.leader import LeaderElector
     from .controller.metrics import Metrics
     from .controller.progress import ProgressServer
-    from .controller.reconcile import Reconciler
+    from .controller.reconcile import TERMINAL, Reconciler
     from .controller.workqueue import WorkQueue
     from .render.bundle import runtime_files
     from .render.config import RenderConfig
@@ -133,8 +133,9 @@ async def run(args: argparse.Namespace) -> int:
     async def resync() -> None:
         while True:
             await asyncio.sleep(args.resync_interval)
-            for ns, name in list(reconciler.phases):
-                queue.add(ns, name)
+            for (ns, name), phase in list(reconciler.phases.items()):
+                if phase not in TERMINAL:  # finished jobs change only through events (delete, edit)
+                    queue.add(ns, name)
 
     kopf_stop = asyncio.Event()
     tasks: list[asyncio.Task[Any]] = [

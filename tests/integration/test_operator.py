@@ -442,3 +442,55 @@ def test_runtime_config_map_is_shared_immutable_and_collected_with_its_last_job(
             return e.status == 404
 
     wait_for("runtime ConfigMap collected with its last job", gone, timeout=90)
+
+
+def test_forged_token_flood_costs_no_leadership_and_no_genuine_report(kube: Kube, namespace: str,
+                                                                      operator: OperatorProcess) -> None:
+    """Scaled down from benchmarks/bench_progress_flood.py (1000/s for 30 s with 20 jobs): forged tokens
+    that look plausible (JWT, a real job's audience, not expired) at 300/s for 8 s while 3 jobs report
+    every second. Every genuine report is accepted, no forged one is, TokenReviews stay within the rate
+    limit, and the leader keeps renewing its Lease."""
+    import asyncio
+    import re
+    import threading
+
+    from tests.integration.flood import flood, lease_sampler
+
+    names = ["fa", "fb", "fc"]
+    for n in names:
+        create(kube, namespace, ftj(n))
+    jobs = []
+    for n in names:
+        pod = wait_for(f"{n} worker pod", lambda n=n: (p := worker_pods(kube, namespace, n)) and p[0], timeout=90)
+        jobs.append((namespace, n, _token(kube, namespace, pod, f"finetune.dev/progress/{namespace}/{n}")))
+
+    def reviews() -> float:
+        m = re.search(r"^finetune_progress_token_reviews_total ([0-9.e+]+)$", operator.metrics(), re.M)
+        return float(m.group(1)) if m else 0.0
+
+    coordination = client.CoordinationV1Api(kube.api_client)
+    samples: list[tuple[float, str, str]] = []
+    stop = threading.Event()
+    sampler = threading.Thread(target=lease_sampler, args=(
+        lambda: coordination.read_namespaced_lease("finetune-operator-leader", LEASE_NS), stop, samples))
+    before = reviews()
+    sampler.start()
+    try:
+        result = asyncio.run(flood(operator.url, jobs, forged_per_second=300, seconds=8, report_interval=1.0))
+    finally:
+        stop.set()
+        sampler.join()
+    assert result.genuine[202] == result.genuine_sent, result.genuine
+    assert result.forged[202] == 0 and set(result.forged) <= {401, 429}, result.forged
+    assert result.forged_sent >= 1000, result.forged_sent  # the flood really happened
+    # Without the defences every forged request would have cost a TokenReview.
+    made = reviews() - before
+    assert made <= 100 + 50 * result.seconds + len(jobs) * 2, (made, result.forged)
+    assert {holder for _, holder, _ in samples} == {operator.identity}
+    assert operator.proc is not None and operator.proc.poll() is None and operator.readyz() == 200
+    renewals = {renew for _, _, renew in samples}
+    assert len(renewals) >= 1 + int(result.seconds // 10), samples  # renewed every 10 s during the flood
+    for ns, n, _ in jobs:
+        step = result.last_step[f"{ns}/{n}"]
+        wait_for(f"{n}'s last genuine step in status", lambda n=n, step=step:
+                 status(kube, namespace, n).get("training", {}).get("step") == step, timeout=30)

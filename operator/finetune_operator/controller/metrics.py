@@ -34,6 +34,10 @@ class Metrics:
         self.progress_reports = Counter(
             "finetune_progress_reports_total", "Progress POSTs by HTTP result.", ["code"], registry=r
         )
+        self.token_reviews = Counter(
+            "finetune_progress_token_reviews_total", "TokenReviews the progress endpoint asked the API server for.",
+            registry=r,
+        )
         self.untracked = Gauge(
             "finetune_jobs_without_series", "Jobs beyond the per-job series cap.", registry=r
         )

@@ -64,6 +64,7 @@ class _Pending:
     training: dict[str, Any] = field(default_factory=dict)
     network: dict[str, Any] = field(default_factory=dict)
     dirty: bool = False
+    flushed_network: dict[str, Any] = field(default_factory=dict)  # what the last flush wrote
 
 
 def _merge(a: dict[str, Any], b: dict[str, Any] | None) -> dict[str, Any]:
@@ -144,9 +145,12 @@ class ProgressServer:
 
     def _authorize(self, token: str, namespace: str, name: str) -> Verdict:
         audience = progress_audience(namespace, name)
+        self.metrics.token_reviews.inc()
         review = self.kube.token_review(token, [audience])
         if not review.get("authenticated"):
             others = [a for a in unverified_audiences(token) if a.startswith(AUDIENCE_PREFIX) and a != audience]
+            if others:
+                self.metrics.token_reviews.inc()
             if others and self.kube.token_review(token, others[:1]).get("authenticated"):
                 return Verdict(403, f"token was issued for {others[0]}, not for job {namespace}/{name}")
             return Verdict(401, review.get("error") or "token not accepted for this job's audience")
@@ -254,7 +258,11 @@ class ProgressServer:
                 log.warning("progress flush for %s/%s failed: %s", ns, name, err)
                 continue
             n += 1
-            self.on_flushed(ns, name)
+            # Only the network figures feed a condition (NetworkHealthy); step/loss do not, so a
+            # reconcile after every flush would be wasted work at scale.
+            if p.network != p.flushed_network:
+                p.flushed_network = dict(p.network)
+                self.on_flushed(ns, name)
         return n
 
     async def flush_forever(self) -> None:
