@@ -17,6 +17,7 @@ import signal
 import socket
 import sys
 import uuid
+from pathlib import Path
 from typing import Any
 
 log = logging.getLogger("finetune.operator")
@@ -32,6 +33,7 @@ def register(sub: Any) -> None:
                    help="base URL pods use to reach this operator (e.g. http://finetune-operator.finetune-system.svc:8080)")
     p.add_argument("--tls-cert", help="serve HTTPS with this certificate")
     p.add_argument("--tls-key", help="private key for --tls-cert")
+    p.add_argument("--progress-ca", help="CA certificate (PEM file) the pods trust for an https --progress-url")
     p.add_argument("--flush-interval", type=float, default=5.0, help="seconds between progress status writes per job")
     p.add_argument("--resync-interval", type=float, default=120.0, help="seconds between full re-reconciles")
     p.add_argument("--workers", type=int, default=4, help="concurrent reconciles")
@@ -83,7 +85,8 @@ async def run(args: argparse.Namespace) -> int:
     api = load_config(args.kubeconfig)
     kube = Kube(api)
     metrics = Metrics()
-    render_cfg = RenderConfig(progress_url=args.progress_url)
+    progress_ca = Path(args.progress_ca).read_text() if args.progress_ca else None
+    render_cfg = RenderConfig(progress_url=args.progress_url, progress_ca=progress_ca)
     if args.submitter_image:
         render_cfg = dataclasses.replace(render_cfg, submitter_image=args.submitter_image)
     reconciler = Reconciler(kube, render_cfg, runtime_files(), metrics,

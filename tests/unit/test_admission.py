@@ -166,3 +166,31 @@ def test_name_rule_matches_the_model(name: str, ok: bool) -> None:
     assert (bool(re.fullmatch(cel_regex, name)) and len(name) <= 47) == ok
     job, _ = check(JobDoc(name).obj())
     assert (job is not None) == ok
+
+
+def _kustomize(path: str) -> list[dict[str, Any]]:
+    out = subprocess.run(["kubectl", "kustomize", str(ROOT / path)], capture_output=True, text=True, timeout=60,
+                         check=False)
+    assert out.returncode == 0, out.stderr
+    return [d for d in yaml.safe_load_all(out.stdout) if d]
+
+
+def _operator_args(docs: list[dict[str, Any]]) -> list[str]:
+    (dep,) = [d for d in docs if d["kind"] == "Deployment"]
+    return list(dep["spec"]["template"]["spec"]["containers"][0]["args"])
+
+
+def test_deploy_overlays_build() -> None:
+    base = _kustomize("deploy")
+    kinds = [(d["kind"], d["metadata"]["name"]) for d in base]
+    assert ("ClusterRoleBinding", "finetune-operator-children") in kinds
+    assert sum(k == "ValidatingAdmissionPolicy" for k, _ in kinds) == 3
+    assert ("ConfigMap", "finetune-instance-types") in kinds and ("ConfigMap", "finetune-operator-policy") in kinds
+    scoped = _kustomize("examples/namespaced-operator")
+    assert ("ClusterRoleBinding", "finetune-operator-children") not in [(d["kind"], d["metadata"]["name"]) for d in scoped]
+    assert any(d["kind"] == "RoleBinding" and d["roleRef"]["name"] == "finetune-operator-children" for d in scoped)
+    assert "--namespace=ml-team" in _operator_args(scoped)
+    tls = _operator_args(_kustomize("examples/tls-operator"))
+    assert [a for a in tls if a.startswith("--progress-url=")] == ["--progress-url=https://finetune-operator.finetune-system.svc:8080"]
+    assert {"--tls-cert=/etc/finetune/tls/tls.crt", "--tls-key=/etc/finetune/tls/tls.key",
+            "--progress-ca=/etc/finetune/tls/ca.crt"} <= set(tls)

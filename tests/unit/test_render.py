@@ -293,3 +293,11 @@ def test_runtime_config_map_is_content_addressed_immutable_and_shared() -> None:
     assert runtime_config_map_name(changed) != runtime_config_map_name(FAKE_RUNTIME)
     vol = next(v for v in workers(rayjob_for(JobDoc().obj()))["template"]["spec"]["volumes"] if v["name"] == "finetune-runtime")
     assert vol["configMap"]["name"] == runtime_config_map_name(FAKE_RUNTIME)
+
+
+def test_progress_ca_reaches_every_ray_container() -> None:
+    cfg = RenderConfig(progress_url="https://op.svc:8080", progress_ca="-----BEGIN CERTIFICATE-----\nX\n")
+    rj = rayjob_for(JobDoc().obj(), cfg)
+    for group in (rj["spec"]["rayClusterSpec"]["headGroupSpec"], workers(rj)):
+        assert env(container(group))["FINETUNE_PROGRESS_CA"].startswith("-----BEGIN CERTIFICATE-----")
+    assert "FINETUNE_PROGRESS_CA" not in env(container(workers(rayjob_for(JobDoc().obj(), CFG))))

@@ -62,3 +62,44 @@ def test_certificate_is_reloaded_when_the_secret_changes(tmp_path: Path) -> None
 def test_missing_files_fail_at_start(tmp_path: Path) -> None:
     with pytest.raises(OSError):
         CertificateReloader(str(tmp_path / "none.crt"), str(tmp_path / "none.key"))
+
+
+def test_training_client_verifies_the_endpoint_with_the_rendered_ca(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """The renderer gives pods FINETUNE_PROGRESS_CA (the PEM); the runtime's client trusts exactly it."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from finetune_operator.api.status import ProgressReport
+    from finetune_training.progress import ProgressClient
+
+    cert, key = _cert(tmp_path, "localhost")
+    got: list[bytes] = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            got.append(self.rfile.read(int(self.headers["Content-Length"])))
+            self.send_response(202)
+            self.end_headers()
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ctx.load_cert_chain(str(cert), str(key))
+    server.socket = ctx.wrap_socket(server.socket, server_side=True)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"https://localhost:{server.server_address[1]}/v1/progress/ns/a"
+    try:
+        untrusted = ProgressClient(url, interval=0.01)
+        untrusted.publish(ProgressReport.model_validate({"rank": 0, "training": {"step": 1}}))
+        untrusted.close()
+        assert untrusted.failed == 1 and got == []  # a certificate it was not told to trust
+        monkeypatch.setenv("FINETUNE_PROGRESS_CA", cert.read_text())
+        client = ProgressClient(url, interval=0.01)
+        client.publish(ProgressReport.model_validate({"rank": 0, "training": {"step": 2}}))
+        client.close()
+        assert client.sent == 1 and len(got) == 1
+    finally:
+        server.shutdown()

@@ -35,3 +35,6 @@ class RenderConfig:
     # Instance-type figures (built-in table, extended by ConfigMaps / the cluster's nodes); None: built-in.
     instance_types: Mapping[str, InstanceType] | None = None
     submitter_image: str = DEFAULT_SUBMITTER_IMAGE
+    # PEM of the CA that signed the progress endpoint's certificate (https progress URL), given to the
+    # pods as FINETUNE_PROGRESS_CA; None: the system trust store (or plain http).
+    progress_ca: str | None = None

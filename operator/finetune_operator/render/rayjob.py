@@ -220,6 +220,8 @@ def _env(job: s.FinetuneJob, cfg: RenderConfig, *, worker: bool) -> list[Obj]:
             {"name": "FINETUNE_PROGRESS_URL", "value": f"{cfg.progress_url.rstrip('/')}/v1/progress/{ns}/{job.metadata.name}"},
             {"name": "FINETUNE_PROGRESS_TOKEN_FILE", "value": f"{TOKEN_MOUNT}/{TOKEN_FILE}"},
         ]
+        if cfg.progress_ca:
+            env.append({"name": "FINETUNE_PROGRESS_CA", "value": cfg.progress_ca})
     if spec.model.hub_token_secret_ref:
         ref = spec.model.hub_token_secret_ref
         env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}})
