@@ -109,8 +109,9 @@ def cmd_render(args: argparse.Namespace) -> int:
                 meta["namespace"] = args.namespace
             if args.uid:
                 meta["uid"] = args.uid
-        job = parse_job(doc)
-        objs = render_children(job, runtime_files(), RenderConfig(progress_url=args.progress_url))
+        table = _instance_table(args.instance_types)
+        job = parse_job(doc, table)
+        objs = render_children(job, runtime_files(), RenderConfig(progress_url=args.progress_url, instance_types=table))
     except SpecError as err:
         for issue in err.issues:
             print(f"{args.file}: {issue}", file=sys.stderr)
@@ -147,6 +148,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--uid", help="FinetuneJob UID, to render ownerReferences as the operator does")
     p.add_argument("--progress-url", help="base URL of the operator's progress endpoint, as the operator renders it")
     p.add_argument("--no-runtime", action="store_true", help="leave out the ConfigMap carrying the training code")
+    p.add_argument("--instance-types", action="append", default=[], metavar="FILE",
+                   help="ConfigMap(s) with instance-type figures extending the built-in table (as for validate)")
     p.set_defaults(func=cmd_render)
 
     for name in _PLUGINS:

@@ -122,6 +122,12 @@ def test_validate_names_the_source_of_its_figures(tmp_path: Path) -> None:
     out = finetune("validate", "--instance-types", str(extra), str(big))
     assert out.returncode == 1
     assert "spec.cluster.workers.gpusPerWorker: 8 GPUs per worker do not fit g6e.12xlarge (4 GPUs; figures from" in out.stderr
+    out = finetune("render", "--no-runtime", "--instance-types", str(extra), str(job))
+    assert out.returncode == 0, out.stderr
+    rayjob = [d for d in yaml.safe_load_all(out.stdout) if d and d["kind"] == "RayJob"][0]
+    worker = rayjob["spec"]["rayClusterSpec"]["workerGroupSpecs"][0]["template"]["spec"]
+    assert worker["nodeSelector"]["node.kubernetes.io/instance-type"] == "g6e.12xlarge"
+    assert worker["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "4"
 
 
 POLICY = AllowList(images=("public.ecr.aws/deep-learning-containers/ray:*", "registry.example/ray:2.58.0"),
