@@ -200,3 +200,4 @@ def test_deploy_overlays_build() -> None:
     assert [a for a in tls if a.startswith("--progress-url=")] == ["--progress-url=https://finetune-operator.finetune-system.svc:8080"]
     assert {"--tls-cert=/etc/finetune/tls/tls.crt", "--tls-key=/etc/finetune/tls/tls.key",
             "--progress-ca=/etc/finetune/tls/ca.crt"} <= set(tls)
+
