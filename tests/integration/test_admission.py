@@ -5,6 +5,7 @@ the operator's ServiceAccount is used through a token, as in-cluster."""
 from __future__ import annotations
 
 import copy
+import json
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -220,4 +221,5 @@ def test_namespaced_role_bindings_confine_the_operator(scoped_operator: tuple[cl
     with pytest.raises(ApiException) as err:
         core.create_namespaced_config_map(other, _cm("child", labelled))
     assert err.value.status == 403
-    assert f'cannot create resource "configmaps" in API group "" in the namespace "{other}"' in err.value.body
+    message = json.loads(err.value.body)["message"]
+    assert f'cannot create resource "configmaps" in API group "" in the namespace "{other}"' in message, message
