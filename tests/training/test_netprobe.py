@@ -151,9 +151,9 @@ def line(msg: str, level: str = "INFO") -> str:
         (["NET/Plugin: Loaded net plugin AWS Libfabric (v10)", "NET/OFI Initializing aws-ofi-nccl 1.16.3",
           "NET/OFI Selected provider is efa, fabric is efa (found 2 nics)",
           "Channel 00/0 : 7[3] -> 0[0] [receive] via NET/AWS Libfabric/1/GDRDMA"], "efa", "efa", "AWS Libfabric"),
-        # older plugins capitalised "Provider"
-        (["NET/OFI Selected Provider is efa, fabric is efa (found 4 nics)", "Using network Libfabric"], "efa", "efa",
-         "Libfabric"),
+        # aws-ofi-nccl up to v1.11 (v1.7.4-aws src/nccl_ofi_net.c:1069) and its old network name
+        (["NET/OFI Selected Provider is efa (found 4 nics)", "Using network AWS Libfabric"], "efa", "efa",
+         "AWS Libfabric"),
         (["NET/OFI Selected provider is tcp, fabric is 10.1.0.0/16 (found 1 nics)", "Assigned NET plugin Libfabric to comm"],
          "socket", "tcp", "Libfabric"),
         (["Channel 00/0 : 0[0] -> 4[0] [send] via NET/Socket/0(4)"], "socket", None, "Socket"),

@@ -66,7 +66,8 @@ _RE_VERSION = re.compile(r"NCCL version (\d+\.\d+\.\d+)")
 # Messages, matched from the start of what follows "NCCL INFO " / "NCCL WARN ".
 _RE_OFI_INIT = re.compile(r"NET/OFI Initializing aws-ofi-nccl (\S+)")
 _RE_LIBFABRIC = re.compile(r"NET/OFI Using Libfabric version (\S+)")
-_RE_PROVIDER = re.compile(r"NET/OFI Selected provider is ([^,\s]+), fabric is (\S+) \(found (\d+) nics\)", _I)
+# "Selected Provider is %s (found %d nics)" up to v1.11; ", fabric is %s" since.
+_RE_PROVIDER = re.compile(r"NET/OFI Selected provider is ([^,\s]+)(?:, fabric is (\S+))?(?: \(found (\d+) nics\))?", _I)
 _RE_OFI_NO_PROVIDER = re.compile(r"NET/OFI (?:No eligible providers were found|OFI fi_getinfo\(\) call failed: No data)")
 _RE_OFI_FAILED = re.compile(r"NET/OFI (?:Unable to find a protocol that worked|aws-ofi-nccl initialization failed"
                             r"|Initializing plugin failed|OFI fi_getinfo\(\) call failed)")
@@ -209,7 +210,8 @@ def parse_nccl_log(text: str) -> NcclLogFacts:
         elif m := _RE_LIBFABRIC.match(msg):
             f.libfabric_version = m.group(1)
         elif m := _RE_PROVIDER.match(msg):
-            f.provider, f.fabric, f.nics = m.group(1).lower(), m.group(2), int(m.group(3))
+            f.provider, f.fabric = m.group(1).lower(), m.group(2)
+            f.nics = int(m.group(3)) if m.group(3) else f.nics
         elif m := _RE_LOADED.match(msg):
             f.plugin_name, f.plugin_api = m.group(1), int(m.group(2))
         elif m := _RE_LIB.match(msg):
