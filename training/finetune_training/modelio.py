@@ -140,8 +140,9 @@ def fill_sharded(model: Any, full_sd: dict[str, Any] | None, device: Any, rank: 
     set_model_state_dict(model, sd,
                          options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
     for _, buf in model.named_buffers():
-        on = buf.device
-        dev_buf = buf if (on.type != "cpu" or dist.get_backend() != "nccl") else buf.to(device)
+        # Through the training device on every rank (rank 0's copy may sit elsewhere than a meta rank's
+        # with cpuOffload), so all ranks use the same backend for the same broadcast.
+        dev_buf = buf.to(device)
         dist.broadcast(dev_buf, src=0)
         if dev_buf is not buf:
             buf.copy_(dev_buf)
