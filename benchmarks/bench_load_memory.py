@@ -81,7 +81,8 @@ def main() -> None:
                                       env=env, stdout=subprocess.PIPE, text=True) for r in range(a.ranks)]
             rows = [json.loads(pr.communicate()[0].strip().splitlines()[-1]) for pr in procs]
             label = "every rank loads" if mode == "every" else "rank 0 loads, broadcast"
-            print(f"{label:>26}: peak RSS per rank " + ", ".join(f"rank{r['rank']} {r['peak_mib']} MiB" for r in rows))
+            print(f"{label:>26}: peak RSS per rank " + ", ".join(
+                f"rank{r['rank']} {r['peak_mib']} MiB (after imports {r['import_mib']})" for r in rows))
     del torch
 
 
