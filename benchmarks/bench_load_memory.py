@@ -4,7 +4,7 @@ and broadcasts the shards (`modelio.load_for_sharding` + `fill_sharded`, the run
     .venv/bin/python benchmarks/bench_load_memory.py [--layers 8] [--hidden 1024] [--ranks 2]
 
 A random Qwen2-architecture model (fp32, ~`12·L·H² + 2·V·H` parameters) is saved to a temp directory,
-then each mode runs in fresh processes (gloo, CPU) that report their peak RSS (ru_maxrss) after sharding.
+then each mode runs in fresh processes (gloo, CPU) that report their peak RSS (VmHWM) after sharding.
 """
 
 from __future__ import annotations
@@ -22,6 +22,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def vm_hwm_mib() -> int:
+    """Peak RSS of this process image (VmHWM; unlike ru_maxrss it does not inherit the parent's peak)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) // 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024
+
+
 def worker(mode: str, rank: int, world: int, port: int, model_dir: str) -> None:
     import torch
     import torch.distributed as dist
@@ -31,7 +39,7 @@ def worker(mode: str, rank: int, world: int, port: int, model_dir: str) -> None:
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    base = vm_hwm_mib()
     spec = ModelSpec(source=model_dir)
     fsdp = FSDPSpec(sharding_strategy=ShardingStrategy.full, activation_checkpointing=False)
     if mode == "every":
@@ -45,8 +53,8 @@ def worker(mode: str, rank: int, world: int, port: int, model_dir: str) -> None:
     modelio.fill_sharded(model, sd, torch.device("cpu"), rank, w)
     del sd
     dist.barrier()
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    print(json.dumps({"mode": mode, "rank": rank, "peak_mib": round(peak / 1024), "import_mib": round(base / 1024)}))
+    peak = vm_hwm_mib()
+    print(json.dumps({"mode": mode, "rank": rank, "peak_mib": peak, "import_mib": base}))
     dist.destroy_process_group()
 
 
