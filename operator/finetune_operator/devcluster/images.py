@@ -604,6 +604,13 @@ def _buildah(store: Path, *args: str) -> list[str]:
             *args]
 
 
+def _host_ca_args() -> list[str]:
+    """This machine's CA bundle for pip in the build's RUN steps (it may hold a TLS-inspecting proxy's CA)."""
+    if not Path(HOST_CA).is_file():
+        return []
+    return ["--volume", f"{HOST_CA}:/run/finetune-host-ca.crt:ro", "--build-arg", "PIP_CERT=/run/finetune-host-ca.crt"]
+
+
 def operator_image(log: Log = print) -> ImageArchive:
     """``Dockerfile.operator`` built by buildah (chroot isolation, vfs storage, no daemon) from :func:`base_image`
     passed as ``BASE_IMAGE``, written as an OCI archive."""
@@ -630,7 +637,7 @@ def operator_image(log: Log = print) -> ImageArchive:
         env = {**os.environ, "BUILDAH_ISOLATION": "chroot", "TMPDIR": t}
         _run_logged(_buildah(store, "bud", "--isolation", "chroot", "--signature-policy", str(policy),
                              "--layers=false",
-                             "--build-arg", f"BASE_IMAGE=oci-archive:{base.path}",
+                             "--build-arg", f"BASE_IMAGE=oci-archive:{base.path}", *_host_ca_args(),
                              "-f", str(REPO / "Dockerfile.operator"), "-t", ref, str(REPO)),
                     logfile, "buildah bud", env=env)
         _run_logged(_buildah(store, "push", "--signature-policy", str(policy), ref, f"oci:{layout}"),
