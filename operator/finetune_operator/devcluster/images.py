@@ -61,6 +61,7 @@ BASE_EXCLUDE = ("./tmp/*", "./root/.cache/*", "./var/cache/apt/*", "./var/lib/ap
 # The Ray Train DLC's image environment (its docs: "FI_PROVIDER=efa and NCCL_DEBUG=INFO are set in the image").
 DLC_ENV = {"FI_PROVIDER": "efa", "NCCL_DEBUG": "INFO"}
 DLC_NCCL_CONF = "NCCL_SOCKET_IFNAME=^docker0,lo\n"
+PROFILE_VENV = 'case ":$PATH:" in *:/opt/venv/bin:*) ;; *) PATH="/opt/venv/bin:$PATH"; export PATH ;; esac\n'
 VENV = "/opt/venv"
 HOST_CA = "/etc/ssl/certs/ca-certificates.crt"
 SRC = "/src"
@@ -95,7 +96,7 @@ def _key(*parts: bytes | str) -> str:
 
 
 # Bump a recipe when the code that builds that thing changes what it builds (the keys cover the inputs).
-BASE_RECIPE = "base-1"
+BASE_RECIPE = "base-2"
 VENV_RECIPE = "venv-1"
 IMAGE_RECIPE = "oci-1"
 
@@ -174,7 +175,7 @@ def _gib(n: int) -> str:
 
 
 def base_key() -> str:
-    return _key(BASE_RECIPE, DEBIAN_SUITE, " ".join(BASE_PACKAGES), debian_mirror(), DLC_NCCL_CONF)
+    return _key(BASE_RECIPE, DEBIAN_SUITE, " ".join(BASE_PACKAGES), debian_mirror(), DLC_NCCL_CONF, PROFILE_VENV)
 
 
 def base_rootfs(log: Log = print) -> Path:
@@ -204,6 +205,9 @@ def base_rootfs(log: Log = print) -> Path:
         for d in (VENV, SRC, "/root/.cache"):
             (root / d.lstrip("/")).mkdir(parents=True, exist_ok=True)
         (root / "etc/nccl.conf").write_text(DLC_NCCL_CONF)
+        # KubeRay runs `bash -lc`: Debian's /etc/profile resets PATH, so a login shell would lose /opt/venv/bin
+        # (the DLC's Amazon Linux profile keeps it). Put it back first, as the image's env has it.
+        (root / "etc/profile.d/finetune-venv.sh").write_text(PROFILE_VENV)
         resolv = root / "etc/resolv.conf"  # a mount point; the runtime (containerd, us) provides the content
         if resolv.is_symlink() or resolv.exists():
             resolv.unlink()
