@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import io
 import os
+import shutil
 import subprocess
 import sys
 import tarfile
+import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -25,8 +28,15 @@ def layer_names(archive: Path, layer: dict[str, object]) -> set[str]:
     with tarfile.open(archive) as tf:
         f = tf.extractfile(f"blobs/sha256/{digest}")
         assert f is not None
-        listing = subprocess.run("zstd -dc | tar -t", shell=True, input=f.read(), capture_output=True, check=True)
-    return {n.removeprefix("./").rstrip("/") for n in listing.stdout.decode().splitlines()}
+        with tempfile.TemporaryFile() as out:
+            p = subprocess.Popen("zstd -dc | tar -t", shell=True, stdin=subprocess.PIPE, stdout=out)
+            assert p.stdin is not None
+            shutil.copyfileobj(f, p.stdin, 1 << 20)  # streamed: the Ray image's venv layer is GiBs
+            p.stdin.close()
+            assert p.wait() == 0
+            out.seek(0)
+            listing = out.read().decode()
+    return {n.removeprefix("./").rstrip("/") for n in listing.splitlines()}
 
 
 def test_verify_rejects_a_tampered_blob(tmp_path: Path) -> None:
@@ -117,3 +127,44 @@ def test_operator_image_is_built_by_buildah_from_the_local_base() -> None:
     base = images.verify_oci_archive(images.base_image().path)
     assert info["config"]["rootfs"]["diff_ids"][0] == base["config"]["rootfs"]["diff_ids"][0]
     assert images.operator_image() == img
+
+
+def _containerd_dir() -> Path | None:
+    """The node's containerd, as the dev cluster builds it (cached by version); None before it is built."""
+    found = sorted((images.images_dir().parent / "bin").glob("containerd-v*/ctr"))
+    return found[-1].parent if found else None
+
+
+@pytest.mark.skipif(_containerd_dir() is None, reason="containerd not built yet (the real node's build makes it)")
+def test_containerd_imports_and_unpacks_the_archives_under_their_ref(tmp_path: Path) -> None:
+    """A private containerd (its own root, state and socket; CRI off) imports the archives as the node will."""
+    bindir = _containerd_dir()
+    assert bindir is not None
+    sock = tmp_path / "c.sock"
+    (tmp_path / "config.toml").write_text(
+        f'version = 3\nroot = "{tmp_path}/root"\nstate = "{tmp_path}/state"\n'
+        'disabled_plugins = ["io.containerd.grpc.v1.cri", "io.containerd.cri.v1.images", "io.containerd.cri.v1.runtime"]\n'
+        f'[grpc]\n  address = "{sock}"\n[ttrpc]\n  address = "{sock}.ttrpc"\n[debug]\n  address = "{tmp_path}/d.sock"\n')
+    with open(tmp_path / "containerd.log", "w") as log:
+        proc = subprocess.Popen([str(bindir / "containerd"), "-c", str(tmp_path / "config.toml")], stdout=log,
+                                stderr=subprocess.STDOUT)
+    try:
+        for _ in range(100):
+            if sock.exists():
+                break
+            proc.poll()
+            assert proc.returncode is None, (tmp_path / "containerd.log").read_text()
+            time.sleep(0.1)
+        ctr = [str(bindir / "ctr"), "--address", str(sock), "-n", "k8s.io"]
+        refs = []
+        for img in (images.base_image(), images.operator_image()):
+            subprocess.run([*ctr, "images", "import", str(img.path)], check=True, capture_output=True, timeout=300)
+            refs.append(img.ref)
+        listed = subprocess.run([*ctr, "images", "ls", "-q"], check=True, capture_output=True, text=True).stdout.split()
+        assert set(refs) <= set(listed)
+        # Unpacked into the snapshotter: the base layer's files are there.
+        assert list((tmp_path / "root").glob("io.containerd.snapshotter.v1.overlayfs/snapshots/*/fs/usr/bin/python3.13"))
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+        subprocess.run(["umount", "-R", str(tmp_path / "root")], capture_output=True)
