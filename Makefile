@@ -1,5 +1,5 @@
 # The two commands of the README, and the pieces they are made of.
-.PHONY: setup demo test test-unit test-training test-integration control-plane crd golden lint
+.PHONY: setup demo test test-unit test-training test-training-dlc test-integration control-plane crd golden lint images
 
 setup:
 	./scripts/setup
@@ -8,9 +8,11 @@ setup:
 demo: setup
 	.venv/bin/finetune run examples/local-tiny.yaml
 
-# Second command: set up (venv + Go-built control plane), lint/type-check, and run the whole test suite.
+# Second command: set up (venv + Go-built control plane), lint/type-check, and run the whole test suite;
+# then tests/training once more on the Ray Train DLC's own stack (Python 3.13 + requirements/dlc.txt).
 test: setup control-plane lint
 	.venv/bin/python -m pytest -ra
+	./scripts/test-training-dlc
 
 control-plane: setup
 	.venv/bin/finetune dev-cluster build
@@ -18,8 +20,17 @@ control-plane: setup
 test-unit: setup
 	.venv/bin/python -m pytest -ra tests/unit
 
+# The training runtime on both stacks: the project's pins (.venv) and the DLC's (Python 3.13, /opt/venv).
 test-training: setup
 	.venv/bin/python -m pytest -ra tests/training
+	./scripts/test-training-dlc
+
+test-training-dlc: setup
+	./scripts/test-training-dlc
+
+# The real node's images (Ray image on the DLC stack, operator image by buildah), cached; prints the archives.
+images: setup
+	.venv/bin/finetune dev-cluster images
 
 test-integration: setup control-plane
 	.venv/bin/python -m pytest -ra tests/integration

@@ -118,7 +118,11 @@ def _read_hub(spec: DatasetSpec) -> list[dict[str, Any]]:
             "package is not installed in the training image; add it to spec.cluster.pip or point the source "
             "at .jsonl/.json/.parquet files (s3://, pvc:// or a path)"
         ) from None
-    ds = datasets.load_dataset(spec.source, split=spec.split)
+    try:
+        ds = datasets.load_dataset(spec.source, split=spec.split)
+    except Exception as e:  # unknown id, hub unreachable, gated, no such split: one line, not datasets' traceback
+        raise DataError(f"spec.dataset.source: could not load Hugging Face dataset {spec.source!r} "
+                        f"(split {spec.split!r}): {type(e).__name__}: {e}") from None
     return [dict(r) for r in ds]
 
 

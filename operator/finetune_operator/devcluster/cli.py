@@ -30,7 +30,7 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
         default=None,
         help=f"state, certificates, logs (default $FINETUNE_DEVCLUSTER_DIR or {default_workdir()})",
     )
-    sub = p.add_subparsers(dest="dev_cluster_command", metavar="{up,down,status,kubeconfig,build}")
+    sub = p.add_subparsers(dest="dev_cluster_command", metavar="{up,down,status,kubeconfig,build,images}")
     sub.required = True
     up = sub.add_parser(
         "up", parents=[common], help="build what is missing, start everything, wait until nodes are Ready"
@@ -53,6 +53,9 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     b = sub.add_parser("build", parents=[common], help="only build the binaries (cached under $FINETUNE_CACHE_DIR)")
     b.add_argument("components", nargs="*", help="subset of kubernetes, etcd, kuberay, kwok (default: all)")
     b.add_argument("--force", action="store_true", help="rebuild even if cached")
+    im = sub.add_parser("images", help="build the real node's images (Ray on the DLC stack, operator by buildah); "
+                        "see `python -m finetune_operator.devcluster.images --help`")
+    im.add_argument("images_args", nargs=argparse.REMAINDER, help="[ray] [operator] [base] [--stack dlc|project] [--json]")
     p.set_defaults(func=run)
     return p
 
@@ -61,6 +64,10 @@ def run(args: argparse.Namespace) -> int:
     cmd = args.dev_cluster_command
     if cmd == "build":
         return build.main([*args.components, *(["--force"] if args.force else [])])
+    if cmd == "images":
+        from . import images
+
+        return images.main(list(args.images_args))
     log = lambda msg: print(msg, file=sys.stderr)  # noqa: E731  (stdout stays clean for `kubeconfig`)
     if cmd == "up":
         cluster = DevCluster(
