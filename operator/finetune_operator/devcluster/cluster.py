@@ -637,7 +637,6 @@ class DevCluster:
                 f"--cert-dir={rn.dir / 'kubelet' / 'pki'}",
                 f"--hostname-override={realnode.NODE_NAME}",
                 f"--node-ip={realnode.GATEWAY}",
-                f"--container-runtime-endpoint=unix://{rn.containerd_socket}",
                 "--node-labels=" + ",".join(f"{k}={v}" for k, v in REAL_NODE_LABELS.items()),
                 "--v=2",
             ],

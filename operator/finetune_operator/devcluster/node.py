@@ -436,6 +436,7 @@ disabled_plugins = ["io.containerd.nri.v1.nri", "io.containerd.tracing.processor
             "readOnlyPort": 0,
             "healthzBindAddress": "127.0.0.1",
             "healthzPort": ports["kubelet-healthz"],
+            "containerRuntimeEndpoint": f"unix://{self.containerd_socket}",
             "failCgroupV1": False,
             "cgroupDriver": "cgroupfs",
             "cgroupsPerQOS": True,
