@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from finetune_operator.devcluster import DevCluster, oci
+from finetune_operator.devcluster import DevCluster, build, oci
 from finetune_operator.devcluster import node as realnode
 from kubernetes import client, config
 from kubernetes.client.rest import ApiException
@@ -140,6 +140,15 @@ def _run_pod(real: RealCluster, ns: str, manifest: dict[str, Any], timeout: floa
 def test_pod_runs_in_the_nodes_cgroup_and_its_logs_are_readable(real: RealCluster, ns: str) -> None:
     logs = _run_pod(real, ns, _pod("hello", "echo hello-from-a-real-pod; cat /proc/self/cgroup; ip -4 addr show eth0"))
     assert "hello-from-a-real-pod" in logs
+    # The same through kubectl (apiserver -> kubelet's /containerLogs, authenticated both ways).
+    kubectl = build.node_binaries()["kubectl"]
+    out = subprocess.run(
+        [str(kubectl), "--kubeconfig", str(real.cluster.kubeconfig), "logs", "-n", ns, "hello"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 0 and "hello-from-a-real-pod" in out.stdout, out.stderr
     memory = next(line for line in logs.splitlines() if ":memory:" in line)
     # Below this process's own cgroup (the machine's rule), under kubelet's cgroupRoot.
     assert f"{realnode.own_cgroup()}/finetune-node/kubepods" in memory, memory

@@ -261,12 +261,25 @@ class RealNode:
     def containerd_socket(self) -> Path:
         return self.run_dir / "containerd.sock"
 
+    def alive(self) -> bool:
+        """Whether any process of this node (containerd, shims, kubelet, ...) still runs."""
+        state = self._state()
+        return bool(state) and bool(
+            [p for p in _pids_with_arg(str(self.run_dir)) + _pids_with_arg(str(self.dir)) if p != os.getpid()]
+        )
+
     # ---- setup ---------------------------------------------------------------------------------------
     def prepare_host(self, bins: dict[str, Path]) -> None:
         """Claim the machine's real-node slot and record what teardown must restore (before any change)."""
         if MARKER.exists():
             other = MARKER.read_text().strip()
-            if other != str(self.workdir) and Path(other, "node-state.json").exists():
+            stale = RealNode(Path(other), log=self.log)
+            if other != str(self.workdir) and stale.state_file.exists() and not stale.alive():
+                self.log(f"[real-node] cleaning up the dead real node of {other}")
+                problems = stale.teardown()
+                if problems:
+                    raise RealNodeError(f"could not clean up the dead real node of {other}: {'; '.join(problems)}")
+            elif other != str(self.workdir) and stale.state_file.exists():
                 raise RealNodeError(
                     f"another dev cluster's real node is up ({other}); one per machine: "
                     f"run `finetune dev-cluster down --workdir {other}` first"
