@@ -553,7 +553,8 @@ class DevCluster:
 
     def _nodes_ready(self, api: _Api) -> bool:
         items = api.get("/api/v1/nodes")["items"]
-        return len(items) == self.gpu_nodes + 1 and all(self._node_ready(n) for n in items)
+        expected = self.gpu_nodes + 1 + (1 if self.real_node else 0)
+        return len(items) == expected and all(self._node_ready(n) for n in items)
 
     # ---- CRDs --------------------------------------------------------------------------------------
     def crd_files(self) -> list[Path]:
