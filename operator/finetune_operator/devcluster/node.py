@@ -581,6 +581,7 @@ disabled_plugins = ["io.containerd.nri.v1.nri", "io.containerd.tracing.processor
             _run(["iptables", "-w", "-D", "FORWARD", "-j", FORWARD_CHAIN], check=False)
             _run(["iptables", "-w", "-F", FORWARD_CHAIN], check=False)
             _run(["iptables", "-w", "-X", FORWARD_CHAIN], check=False)
+        remove_kubelet_chains()
         proxy = kube_proxy or (Path(state["kube_proxy"]) if state.get("kube_proxy") else None)
         if proxy is not None and proxy.is_file() and shutil.which("iptables"):
             r = _run([str(proxy), "--cleanup", "--v=0"], check=False)
@@ -639,6 +640,27 @@ disabled_plugins = ["io.containerd.nri.v1.nri", "io.containerd.tracing.processor
         if not problems:
             self.state_file.unlink(missing_ok=True)
         return problems
+
+
+# kubelet's own chains (kube-proxy --cleanup leaves them): table -> chains.
+KUBELET_CHAINS = {
+    "filter": ["KUBE-FIREWALL", "KUBE-KUBELET-CANARY"],
+    "nat": ["KUBE-KUBELET-CANARY"],
+    "mangle": ["KUBE-IPTABLES-HINT", "KUBE-KUBELET-CANARY"],
+}
+
+
+def remove_kubelet_chains() -> None:
+    for tool in ("iptables", "ip6tables"):
+        if shutil.which(tool) is None:
+            continue
+        for hook in ("INPUT", "OUTPUT"):
+            while _run([tool, "-w", "-t", "filter", "-D", hook, "-j", "KUBE-FIREWALL"], check=False).returncode == 0:
+                pass
+        for table, chains in KUBELET_CHAINS.items():
+            for chain in chains:
+                _run([tool, "-w", "-t", table, "-F", chain], check=False)
+                _run([tool, "-w", "-t", table, "-X", chain], check=False)
 
 
 def _cmdline(pid: int) -> str:
