@@ -61,7 +61,8 @@ def wait_for(what: str, check: Callable[[], object], timeout: float = 60, interv
 
 
 def _uses_cluster(item: pytest.Item) -> bool:
-    return "control_plane" in getattr(item, "fixturenames", ())
+    names = getattr(item, "fixturenames", ())
+    return "control_plane" in names or ("real" in names and item.get_closest_marker("real_node") is not None)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -73,7 +74,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 def pytest_collection_finish(session: pytest.Session) -> None:
     # Build before any test starts, so a cold build (minutes) never counts against a test's timeout.
-    if session.config.option.collectonly or not any(_uses_cluster(i) for i in session.items):
+    if session.config.option.collectonly:
+        return
+    if any("real" in getattr(i, "fixturenames", ()) and i.get_closest_marker("real_node") for i in session.items):
+        # The real node's parts (kubelet, containerd, runc, ...): only when a real-node test is selected.
+        missing_node = build.missing(build.NODE_COMPONENTS)
+        if missing_node:
+            print(f"dev cluster: building the real node's {', '.join(missing_node)}")
+            build.build(missing_node)
+    if not any(_uses_cluster(i) for i in session.items):
         return
     missing = build.missing()
     if missing:

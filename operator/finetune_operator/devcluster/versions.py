@@ -14,6 +14,13 @@ ETCD_VERSION = "v3.7.3"
 # newest that is. Bump here once it is.
 KUBERAY_VERSION = "v1.6.1"
 KWOK_VERSION = "v0.8.0"
+# The real node (``dev-cluster up --real-node``); kubelet and kube-proxy come from KUBERNETES_VERSION.
+CONTAINERD_VERSION = "v2.4.2"
+RUNC_VERSION = "v1.5.3"
+CNI_PLUGINS_VERSION = "v1.10.0"
+COREDNS_VERSION = "v1.15.0"
+# The device-plugin API module our simulated-accelerator plugin is built against (k8s.io/kubelet).
+KUBELET_API_VERSION = "v0" + KUBERNETES_VERSION[KUBERNETES_VERSION.index(".") :]
 
 
 @dataclass(frozen=True)
@@ -25,6 +32,13 @@ class Component:
     version: str
     # package path -> binary file name
     binaries: dict[str, str]
+    # cgo + build tags (runc's seccomp support needs both and Debian's libseccomp-dev).
+    cgo: bool = False
+    tags: tuple[str, ...] = ()
+    # -X name=value link flags (version strings the binaries report).
+    xflags: tuple[tuple[str, str], ...] = ()
+    # Our own module whose source lives in tools/<name>/ (not a wrapper around an upstream module).
+    local: bool = False
 
     @property
     def key(self) -> str:
@@ -60,5 +74,69 @@ COMPONENTS: dict[str, Component] = {
         module="sigs.k8s.io/kwok",
         version=KWOK_VERSION,
         binaries={"sigs.k8s.io/kwok/cmd/kwok": "kwok"},
+    ),
+}
+
+
+# Built only for a real node; the kwok-only dev cluster never pays for them.
+NODE_COMPONENTS: dict[str, Component] = {
+    "kubernetes-node": Component(
+        name="kubernetes-node",
+        module="k8s.io/kubernetes",
+        version=KUBERNETES_VERSION,
+        binaries={
+            "k8s.io/kubernetes/cmd/kubelet": "kubelet",
+            "k8s.io/kubernetes/cmd/kube-proxy": "kube-proxy",
+            "k8s.io/kubernetes/cmd/kubectl": "kubectl",
+        },
+    ),
+    "containerd": Component(
+        name="containerd",
+        module="github.com/containerd/containerd/v2",
+        version=CONTAINERD_VERSION,
+        binaries={
+            "github.com/containerd/containerd/v2/cmd/containerd": "containerd",
+            "github.com/containerd/containerd/v2/cmd/containerd-shim-runc-v2": "containerd-shim-runc-v2",
+            "github.com/containerd/containerd/v2/cmd/ctr": "ctr",
+        },
+        tags=("no_btrfs", "no_devmapper", "no_zfs"),
+        xflags=(
+            ("github.com/containerd/containerd/v2/version.Version", CONTAINERD_VERSION),
+            ("github.com/containerd/containerd/v2/version.Package", "github.com/containerd/containerd/v2"),
+        ),
+    ),
+    "runc": Component(
+        name="runc",
+        module="github.com/opencontainers/runc",
+        version=RUNC_VERSION,
+        binaries={"github.com/opencontainers/runc": "runc"},
+        cgo=True,
+        tags=("seccomp",),
+        xflags=(("main.version", RUNC_VERSION.lstrip("v")),),
+    ),
+    "cni-plugins": Component(
+        name="cni-plugins",
+        module="github.com/containernetworking/plugins",
+        version=CNI_PLUGINS_VERSION,
+        binaries={
+            "github.com/containernetworking/plugins/plugins/main/bridge": "bridge",
+            "github.com/containernetworking/plugins/plugins/main/loopback": "loopback",
+            "github.com/containernetworking/plugins/plugins/ipam/host-local": "host-local",
+            "github.com/containernetworking/plugins/plugins/meta/portmap": "portmap",
+        },
+        xflags=(("github.com/containernetworking/plugins/pkg/utils/buildversion.BuildVersion", CNI_PLUGINS_VERSION),),
+    ),
+    "coredns": Component(
+        name="coredns",
+        module="github.com/coredns/coredns",
+        version=COREDNS_VERSION,
+        binaries={"github.com/coredns/coredns": "coredns"},
+    ),
+    "deviceplugin": Component(
+        name="deviceplugin",
+        module="k8s.io/kubelet",
+        version=KUBELET_API_VERSION,
+        binaries={"finetune.dev/devcluster/tools/deviceplugin": "fake-device-plugin"},
+        local=True,
     ),
 }
