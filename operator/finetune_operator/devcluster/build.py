@@ -6,6 +6,7 @@ Layout of the cache (``$FINETUNE_CACHE_DIR``, default ``~/.cache/finetune-operat
     bin/etcd-v3.7.3/etcd
     bin/kuberay-v1.6.1/ray-operator   bin/kuberay-v1.6.1/crds/ray.io_*.yaml
     bin/kwok-v0.8.0/kwok              bin/kwok-v0.8.0/stages/*.yaml
+    bin/argocd-v3.6.1/{argocd,argocd-lua-health}   bin/argocd-v3.6.1/crds/*.yaml   (only when asked for)
     src/<component>-<version>/{go.mod,go.sum}   (the wrapper module the build ran in)
 
 One ``go build`` per wrapper module (the three Kubernetes binaries share one), all sharing the normal Go
@@ -34,7 +35,7 @@ from typing import Any
 
 import yaml
 
-from .versions import COMPONENTS, Component
+from .versions import ALL_COMPONENTS, COMPONENTS, Component
 
 TOOLS_DIR = Path(__file__).parent / "tools"
 Log = Callable[[str], None]
@@ -80,22 +81,33 @@ def _from_assets(comp: Component) -> dict[str, Path] | None:
     return None
 
 
-def _go_env() -> dict[str, str]:
+def _go_env(comp: Component | None = None) -> dict[str, str]:
     env = dict(os.environ)
+    if comp is not None and comp.toolchain:
+        env["GOTOOLCHAIN"] = comp.toolchain  # downloaded once through the module proxy, then cached
     env["CGO_ENABLED"] = "0"  # static binaries, no C toolchain needed, and faster to build
     env["GOWORK"] = "off"
     env["GOFLAGS"] = (env.get("GOFLAGS", "") + " -mod=readonly -buildvcs=false").strip()
     return env
 
 
-def _go_version(go: str) -> str:
-    return subprocess.run([go, "env", "GOVERSION"], check=True, capture_output=True, text=True).stdout.strip()
+def _go_version(go: str, comp: Component | None = None) -> str:
+    env = _go_env(comp) if comp is not None and comp.toolchain else None
+    return subprocess.run([go, "env", "GOVERSION"], check=True, capture_output=True, text=True, env=env).stdout.strip()
+
+
+def _own_sources(comp: Component) -> list[Path]:
+    """Source files of our own main packages in the wrapper module (``tools/<name>/<dir>/*.go``)."""
+    return sorted(p for p in (TOOLS_DIR / comp.name).rglob("*.go"))
 
 
 def _stamp(comp: Component, go_version: str) -> str:
     h = hashlib.sha256()
     for name in ("go.mod", "go.sum"):
         h.update((TOOLS_DIR / comp.name / name).read_bytes())
+    for src in _own_sources(comp):
+        h.update(str(src.relative_to(TOOLS_DIR / comp.name)).encode())
+        h.update(src.read_bytes())
     h.update(go_version.encode())
     h.update(json.dumps(sorted(comp.binaries.items())).encode())
     return h.hexdigest()
@@ -183,6 +195,13 @@ def _copy_assets(comp: Component, module_dir: Path, out: Path) -> None:
         (out / "crds").mkdir()
         for crd in sorted((module_dir / "config" / "crd" / "bases").glob("ray.io_*.yaml")):
             shutil.copyfile(crd, out / "crds" / crd.name)
+    elif comp.name == "argocd":
+        (out / "crds").mkdir()
+        for crd in sorted((module_dir / "manifests" / "crds").glob("*-crd.yaml")):
+            shutil.copyfile(crd, out / "crds" / crd.name)
+        (out / "config").mkdir()  # upstream's argocd-cm etc., the base our deploy/argocd/ patches
+        for cfg in sorted((module_dir / "manifests" / "base" / "config").glob("*.yaml")):
+            shutil.copyfile(cfg, out / "config" / cfg.name)
     elif comp.name == "kwok":
         # The stage set kwokctl uses by default: nodes initialise and heartbeat, pods become Ready and
         # complete (Job pods too), deletion is honoured.
@@ -197,8 +216,12 @@ def _build_one(comp: Component, go: str, go_version: str, log: Log) -> float:
     src.mkdir(parents=True, exist_ok=True)
     for name in ("go.mod", "go.sum"):
         shutil.copyfile(TOOLS_DIR / comp.name / name, src / name)
+    for own in _own_sources(comp):
+        dest = src / own.relative_to(TOOLS_DIR / comp.name)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(own, dest)
     logfile = cache_dir() / "bin" / f"{comp.key}.build.log"
-    env = _go_env()
+    env = _go_env(comp)
     dl = subprocess.run([go, "mod", "download", "-json", comp.module], cwd=src, env=env, capture_output=True, text=True)
     if dl.returncode != 0:
         raise BuildError(f"{comp.name}: go mod download {comp.module} failed:\n{dl.stdout}{dl.stderr}")
@@ -244,16 +267,32 @@ def _needs_build(comp: Component, go_version: str | None, force: bool) -> bool:
 
 
 def build(names: Iterable[str] | None = None, force: bool = False, log: Log = print) -> dict[str, float]:
-    """Build what is missing or stale; return seconds spent per component built (empty: nothing to do)."""
-    comps = [COMPONENTS[n] for n in (names or COMPONENTS)]
+    """Build what is missing or stale; return seconds spent per component built (empty: nothing to do).
+
+    No names: the dev cluster's components. Optional ones (Argo CD) are built only when named.
+    """
+    comps = [ALL_COMPONENTS[n] for n in (names or COMPONENTS)]
     go = find_go()
-    go_version = _go_version(go)
     timings: dict[str, float] = {}
     with _lock():
         for comp in comps:
+            go_version = _go_version(go, comp)
             if _needs_build(comp, go_version, force):
                 timings[comp.name] = _build_one(comp, go, go_version, log)
     return timings
+
+
+def missing_optional(names: Iterable[str]) -> list[str]:
+    """Which of these optional components (e.g. ``argocd``) still need building (no Go invoked)."""
+    return [n for n in names if not is_built(ALL_COMPONENTS[n])]
+
+
+def optional_binaries(name: str, log: Log = print) -> Path:
+    """The directory of an optional component (e.g. ``argocd``), built first if it is not cached."""
+    comp = ALL_COMPONENTS[name]
+    if not is_built(comp):
+        build([name], log=log)
+    return component_dir(comp)
 
 
 def ensure_built(log: Log = print) -> dict[str, Path]:
@@ -265,13 +304,14 @@ def ensure_built(log: Log = print) -> dict[str, Path]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Build the dev cluster's binaries from Go modules.")
-    parser.add_argument("components", nargs="*", help=f"subset of {sorted(COMPONENTS)} (default: all)")
+    parser.add_argument("components", nargs="*",
+                        help=f"subset of {sorted(ALL_COMPONENTS)} (default: the dev cluster's {sorted(COMPONENTS)})")
     parser.add_argument("--force", action="store_true", help="rebuild even if cached")
     parser.add_argument("--print-dir", action="store_true", help="print the binary directories and exit")
     args = parser.parse_args(argv)
-    unknown = set(args.components) - set(COMPONENTS)
+    unknown = set(args.components) - set(ALL_COMPONENTS)
     if unknown:
-        parser.error(f"unknown components {sorted(unknown)}; known: {sorted(COMPONENTS)}")
+        parser.error(f"unknown components {sorted(unknown)}; known: {sorted(ALL_COMPONENTS)}")
     if args.print_dir:
         for name, path in binaries().items():
             print(f"{name}\t{path}")

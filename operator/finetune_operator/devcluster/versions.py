@@ -14,6 +14,14 @@ ETCD_VERSION = "v3.7.3"
 # newest that is. Bump here once it is.
 KUBERAY_VERSION = "v1.6.1"
 KWOK_VERSION = "v0.8.0"
+# Argo CD (GitOps tests only; never part of the running dev cluster). Its go.mod says `go 1.27.0`, so
+# it is built with that toolchain (fetched through the Go module proxy like any module). kustomize, for
+# kustomize sources: Argo CD v3.6.1 ships 5.8.3 (hack/tool-versions.sh), whose go.mod needs a
+# kube-openapi pseudo-version the proxy does not serve; v5.8.1 links the same kustomize/api v0.21.1
+# as argo-cd itself.
+ARGOCD_VERSION = "v3.6.1"
+ARGOCD_GO_TOOLCHAIN = "go1.27.3"
+ARGOCD_KUSTOMIZE_VERSION = "v5.8.1"
 
 
 @dataclass(frozen=True)
@@ -25,6 +33,12 @@ class Component:
     version: str
     # package path -> binary file name
     binaries: dict[str, str]
+    # GOTOOLCHAIN for this module's build, when upstream needs a newer Go than the one installed.
+    toolchain: str = ""
+    # Further modules the wrapper requires (module -> version), for main packages of our own.
+    requires: tuple[tuple[str, str], ...] = ()
+    # Copy upstream's replace block (Go ignores a dependency's replaces; argo-cd needs its own).
+    copy_replaces: bool = False
 
     @property
     def key(self) -> str:
@@ -62,3 +76,24 @@ COMPONENTS: dict[str, Component] = {
         binaries={"sigs.k8s.io/kwok/cmd/kwok": "kwok"},
     ),
 }
+
+
+# Components a test builds on demand (the dev cluster itself neither needs nor builds them).
+ARGOCD_MODULE = "finetune.dev/devcluster/tools/argocd"
+OPTIONAL_COMPONENTS: dict[str, Component] = {
+    "argocd": Component(
+        name="argocd",
+        module="github.com/argoproj/argo-cd/v3",
+        version=ARGOCD_VERSION,
+        # Main packages of our own in tools/argocd/ (see their doc comments): upstream's cmd/main.go
+        # links the API server, CLI, Dex and every SCM SDK; ours links only what the tests run.
+        binaries={
+            f"{ARGOCD_MODULE}/argocd": "argocd",
+            f"{ARGOCD_MODULE}/argocd-lua-health": "argocd-lua-health",
+        },
+        toolchain=ARGOCD_GO_TOOLCHAIN,
+        requires=(("sigs.k8s.io/kustomize/kustomize/v5", ARGOCD_KUSTOMIZE_VERSION),),
+        copy_replaces=True,
+    ),
+}
+ALL_COMPONENTS: dict[str, Component] = {**COMPONENTS, **OPTIONAL_COMPONENTS}
