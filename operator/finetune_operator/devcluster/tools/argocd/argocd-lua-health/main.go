@@ -37,11 +37,11 @@ import (
 )
 
 type result struct {
-	Input    string               `json:"input"`
-	Expected *health.HealthStatus `json:"expected,omitempty"`
+	Input    string                  `json:"input"`
+	Expected *health.HealthStatus    `json:"expected,omitempty"`
 	Status   health.HealthStatusCode `json:"status,omitempty"`
-	Message  string               `json:"message,omitempty"`
-	Error    string               `json:"error,omitempty"`
+	Message  string                  `json:"message,omitempty"`
+	Error    string                  `json:"error,omitempty"`
 }
 
 type testTable struct {
