@@ -149,7 +149,7 @@ class ArgoCD:
         self._start("argocd-redis", ["--addr", f"127.0.0.1:{redis}"], env)
         self._start("argocd-repo-server", [
             "--address", "127.0.0.1", "--port", str(repo), "--metrics-port", str(repo_metrics),
-            "--redis", f"127.0.0.1:{redis}", "--disable-tls", "--loglevel", "info", "--logformat", "text",
+            "--redis", f"127.0.0.1:{redis}", "--disable-tls", "--client-ca-path=", "--loglevel", "info", "--logformat", "text",
         ], env)
         self._start("argocd-application-controller", [
             "--kubeconfig", str(self.kubeconfig), "--namespace", ARGO_NS,

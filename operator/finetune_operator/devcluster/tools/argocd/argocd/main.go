@@ -27,7 +27,6 @@ import (
 	gitaskpass "github.com/argoproj/argo-cd/v3/cmd/argocd-git-ask-pass/commands"
 	reposerver "github.com/argoproj/argo-cd/v3/cmd/argocd-repo-server/commands"
 	"github.com/argoproj/argo-cd/v3/common"
-	"github.com/argoproj/argo-cd/v3/util/grpc"
 	"github.com/argoproj/argo-cd/v3/util/log"
 )
 
@@ -76,9 +75,10 @@ func main() {
 			common.CommandRepoServer, common.CommandGitAskPass)
 		os.Exit(2)
 	}
-	// What upstream's cmd/main.go does before running any component.
+	// What upstream's cmd/main.go does before running any component, except grpc.DisableSRVLookups:
+	// that undoes what grpc's grpclb balancer turns on when it is linked (by packages of upstream's
+	// CLI and API server), and panics when it is not, as in this binary, where SRV lookups stay off.
 	klog.SetLogger(log.NewLogrusLogger(log.NewWithCurrentConfig()))
-	grpc.DisableSRVLookups()
 	if err := command.Execute(); err != nil {
 		os.Exit(1)
 	}
