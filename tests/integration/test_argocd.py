@@ -218,23 +218,23 @@ def application(name: str, repo: GitRepo, path: str, namespace: str, automated: 
 
 
 def create_app(kube: Kube, app: dict[str, Any]) -> None:
-    kube.custom.create_namespaced_custom_object(*APPS[:3], APPS[3], app)
+    kube.custom.create_namespaced_custom_object(*APPS, app)
 
 
 def get_app(kube: Kube, name: str) -> dict[str, Any]:
-    return kube.custom.get_namespaced_custom_object(*APPS[:3], APPS[3], name)  # type: ignore[no-any-return]
+    return kube.custom.get_namespaced_custom_object(*APPS, name)  # type: ignore[no-any-return]
 
 
 def refresh(kube: Kube, name: str) -> None:
     """What `argocd app get --refresh` does: ask the controller to compare with git now."""
-    kube.custom.patch_namespaced_custom_object(*APPS[:3], APPS[3], name,
+    kube.custom.patch_namespaced_custom_object(*APPS, name,
                                                {"metadata": {"annotations": {"argocd.argoproj.io/refresh": "normal"}}},
                                                _content_type="application/merge-patch+json")
 
 
 def delete_app(kube: Kube, name: str) -> None:
     try:
-        kube.custom.delete_namespaced_custom_object(*APPS[:3], APPS[3], name)
+        kube.custom.delete_namespaced_custom_object(*APPS, name)
     except ApiException as e:
         if e.status != 404:
             raise
