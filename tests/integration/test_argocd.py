@@ -104,8 +104,16 @@ class ArgoCD:
     def install(self) -> None:
         """CRDs, namespace, upstream's config with our Component, and the default AppProject."""
         self.kubectl("apply", "--server-side", "-f", str(self.bindir / "crds"))
-        self.kubectl("wait", "--for=condition=Established", "crd/applications.argoproj.io",
-                     "crd/appprojects.argoproj.io", "--timeout=60s")
+        deadline = time.monotonic() + 60
+        while True:  # `kubectl wait` errors out while a new CRD has no status.conditions yet
+            try:
+                self.kubectl("wait", "--for=condition=Established", "crd/applications.argoproj.io",
+                             "crd/appprojects.argoproj.io", "--timeout=30s")
+                break
+            except RuntimeError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(1)
         self.kubectl("create", "namespace", ARGO_NS)
         kz = self.workdir / "config"
         shutil.copytree(self.bindir / "config", kz / "base")
