@@ -99,6 +99,8 @@ class ArgoCD:
             link = d / name
             if not link.exists():
                 link.symlink_to(self.bindir / "argocd")
+        if not (d / "git-verify-wrapper.sh").exists():
+            (d / "git-verify-wrapper.sh").symlink_to(self.bindir / "git-verify-wrapper.sh")
         return d
 
     def install(self) -> None:

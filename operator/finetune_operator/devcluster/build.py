@@ -199,6 +199,9 @@ def _copy_assets(comp: Component, module_dir: Path, out: Path) -> None:
         (out / "crds").mkdir()
         for crd in sorted((module_dir / "manifests" / "crds").glob("*-crd.yaml")):
             shutil.copyfile(crd, out / "crds" / crd.name)
+        # The repo-server runs it on every git checkout (commit signature check, even when unused).
+        shutil.copyfile(module_dir / "hack" / "git-verify-wrapper.sh", out / "git-verify-wrapper.sh")
+        (out / "git-verify-wrapper.sh").chmod(0o755)
         (out / "config").mkdir()  # upstream's argocd-cm etc., the base our deploy/argocd/ patches
         for cfg in sorted((module_dir / "manifests" / "base" / "config").glob("*.yaml")):
             shutil.copyfile(cfg, out / "config" / cfg.name)
