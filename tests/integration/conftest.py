@@ -72,6 +72,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.integration)
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "needs_build(*components): optional Go-built components the test runs (e.g. argocd)")
+
+
 def pytest_collection_finish(session: pytest.Session) -> None:
     # Build before any test starts, so a cold build (minutes) never counts against a test's timeout.
     if session.config.option.collectonly:
@@ -82,9 +86,9 @@ def pytest_collection_finish(session: pytest.Session) -> None:
         if missing_node:
             print(f"dev cluster: building the real node's {', '.join(missing_node)}")
             build.build(missing_node)
-    if not any(_uses_cluster(i) for i in session.items):
-        return
-    missing = build.missing()
+    missing = build.missing() if any(_uses_cluster(i) for i in session.items) else []
+    optional = sorted({n for i in session.items for m in i.iter_markers("needs_build") for n in m.args})
+    missing += build.missing_optional(optional)
     if missing:
         reporter = session.config.pluginmanager.get_plugin("terminalreporter")
         say = reporter.write_line if reporter else print

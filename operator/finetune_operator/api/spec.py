@@ -39,15 +39,14 @@ Str = Annotated[str, Field(max_length=253)]
 LongStr = Annotated[str, Field(max_length=4096)]
 
 
+def _immutable_message(what: str) -> str:
+    # What the user sees in `kubectl apply` and in a failed Argo CD sync (docs/gitops.md).
+    return (f"{what} is immutable after creation: rename the job to train a new one, or delete and re-create it "
+            "to re-run it (Argo CD: sync option Replace=true,Force=true)")
+
+
 def _immutable(what: str) -> dict[str, Any]:
-    return {
-        "x-kubernetes-validations": [
-            {
-                "rule": "self == oldSelf",
-                "message": f"{what} is immutable after creation (create a new FinetuneJob to change it)",
-            }
-        ]
-    }
+    return {"x-kubernetes-validations": [{"rule": "self == oldSelf", "message": _immutable_message(what)}]}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -240,7 +239,7 @@ class TrainingSpec(SpecModel):
                 },
                 {
                     "rule": "self == oldSelf",
-                    "message": "spec.training is immutable after creation (create a new FinetuneJob to change it)",
+                    "message": _immutable_message("spec.training"),
                 },
             ]
         }

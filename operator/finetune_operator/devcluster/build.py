@@ -9,6 +9,7 @@ Layout of the cache (``$FINETUNE_CACHE_DIR``, default ``~/.cache/finetune-operat
     bin/kubernetes-node-v1.37.2/{kubelet,kube-proxy,kubectl}   bin/containerd-v2.4.2/{containerd,ctr,...}
     bin/runc-v1.5.3/runc  bin/cni-plugins-v1.10.0/{bridge,...}  bin/coredns-v1.15.0/coredns
     bin/deviceplugin-v0.37.2/fake-device-plugin          (the real-node parts: NODE_COMPONENTS)
+    bin/argocd-v3.6.1/{argocd,argocd-lua-health}   bin/argocd-v3.6.1/crds/*.yaml   (only when asked for)
     src/<component>-<version>/{go.mod,go.sum}   (the wrapper module the build ran in)
 
 One ``go build`` per wrapper module (the three Kubernetes binaries share one), all sharing the normal Go
@@ -41,9 +42,7 @@ from typing import Any
 
 import yaml
 
-from .versions import COMPONENTS, NODE_COMPONENTS, Component
-
-ALL_COMPONENTS = {**COMPONENTS, **NODE_COMPONENTS}
+from .versions import ALL_COMPONENTS, COMPONENTS, NODE_COMPONENTS, Component
 
 TOOLS_DIR = Path(__file__).parent / "tools"
 Log = Callable[[str], None]
@@ -91,6 +90,8 @@ def _from_assets(comp: Component) -> dict[str, Path] | None:
 
 def _go_env(comp: Component | None = None) -> dict[str, str]:
     env = dict(os.environ)
+    if comp is not None and comp.toolchain:
+        env["GOTOOLCHAIN"] = comp.toolchain  # downloaded once through the module proxy, then cached
     # Static binaries, no C toolchain needed, and faster to build; runc needs cgo for seccomp.
     env["CGO_ENABLED"] = "1" if comp is not None and comp.cgo else "0"
     env["GOWORK"] = "off"
@@ -98,8 +99,14 @@ def _go_env(comp: Component | None = None) -> dict[str, str]:
     return env
 
 
-def _go_version(go: str) -> str:
-    return subprocess.run([go, "env", "GOVERSION"], check=True, capture_output=True, text=True).stdout.strip()
+def _go_version(go: str, comp: Component | None = None) -> str:
+    env = _go_env(comp) if comp is not None and comp.toolchain else None
+    return subprocess.run([go, "env", "GOVERSION"], check=True, capture_output=True, text=True, env=env).stdout.strip()
+
+
+def _own_sources(comp: Component) -> list[Path]:
+    """Source files of our own main packages in the wrapper module (``tools/<name>/<dir>/*.go``)."""
+    return sorted(p for p in (TOOLS_DIR / comp.name).rglob("*.go"))
 
 
 def _module_files(comp: Component) -> list[Path]:
@@ -112,6 +119,10 @@ def _stamp(comp: Component, go_version: str) -> str:
     h = hashlib.sha256()
     for path in _module_files(comp):
         h.update(path.read_bytes())
+    if not comp.local:
+        for src in _own_sources(comp):
+            h.update(str(src.relative_to(TOOLS_DIR / comp.name)).encode())
+            h.update(src.read_bytes())
     h.update(go_version.encode())
     h.update(json.dumps(sorted(comp.binaries.items())).encode())
     if comp.cgo or comp.tags or comp.xflags:  # (absent for the control plane: its stamps stay as they were)
@@ -208,6 +219,16 @@ def _copy_assets(comp: Component, module_dir: Path, out: Path) -> None:
         (out / "crds").mkdir()
         for crd in sorted((module_dir / "config" / "crd" / "bases").glob("ray.io_*.yaml")):
             shutil.copyfile(crd, out / "crds" / crd.name)
+    elif comp.name == "argocd":
+        (out / "crds").mkdir()
+        for crd in sorted((module_dir / "manifests" / "crds").glob("*-crd.yaml")):
+            shutil.copyfile(crd, out / "crds" / crd.name)
+        # The repo-server runs it on every git checkout (commit signature check, even when unused).
+        shutil.copyfile(module_dir / "hack" / "git-verify-wrapper.sh", out / "git-verify-wrapper.sh")
+        (out / "git-verify-wrapper.sh").chmod(0o755)
+        (out / "config").mkdir()  # upstream's argocd-cm etc., the base our deploy/argocd/ patches
+        for cfg in sorted((module_dir / "manifests" / "base" / "config").glob("*.yaml")):
+            shutil.copyfile(cfg, out / "config" / cfg.name)
     elif comp.name == "kwok":
         # The stage set kwokctl uses by default: nodes initialise and heartbeat, pods become Ready and
         # complete (Job pods too), deletion is honoured.
@@ -240,6 +261,11 @@ def _build_one(comp: Component, go: str, go_version: str, log: Log) -> float:
     src.mkdir(parents=True, exist_ok=True)
     for path in _module_files(comp):
         shutil.copyfile(path, src / path.name)
+    if not comp.local:
+        for own in _own_sources(comp):
+            dest = src / own.relative_to(TOOLS_DIR / comp.name)
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(own, dest)
     logfile = cache_dir() / "bin" / f"{comp.key}.build.log"
     env = _go_env(comp)
     if "seccomp" in comp.tags:
@@ -292,21 +318,36 @@ def _needs_build(comp: Component, go_version: str | None, force: bool) -> bool:
 def build(names: Iterable[str] | None = None, force: bool = False, log: Log = print) -> dict[str, float]:
     """Build what is missing or stale; return seconds spent per component built (empty: nothing to do).
 
-    No names: the control plane. Control-plane and real-node components build under separate locks.
+    No names: the control plane. Real-node and optional (Argo CD) components are built only when named;
+    control-plane and the other components build under separate locks.
     """
     comps = [ALL_COMPONENTS[n] for n in (names or COMPONENTS)]
     go = find_go()
-    go_version = _go_version(go)
     timings: dict[str, float] = {}
-    for lock, group in ((".build.lock", COMPONENTS), (".build-node.lock", NODE_COMPONENTS)):
+    others = {name: comp for name, comp in ALL_COMPONENTS.items() if name not in COMPONENTS}
+    for lock, group in ((".build.lock", COMPONENTS), (".build-node.lock", others)):
         todo = [c for c in comps if c.name in group]
         if not todo:
             continue
         with _lock(lock):
             for comp in todo:
+                go_version = _go_version(go, comp)
                 if _needs_build(comp, go_version, force):
                     timings[comp.name] = _build_one(comp, go, go_version, log)
     return timings
+
+
+def missing_optional(names: Iterable[str]) -> list[str]:
+    """Which of these optional components (e.g. ``argocd``) still need building (no Go invoked)."""
+    return [n for n in names if not is_built(ALL_COMPONENTS[n])]
+
+
+def optional_binaries(name: str, log: Log = print) -> Path:
+    """The directory of an optional component (e.g. ``argocd``), built first if it is not cached."""
+    comp = ALL_COMPONENTS[name]
+    if not is_built(comp):
+        build([name], log=log)
+    return component_dir(comp)
 
 
 def ensure_built(log: Log = print) -> dict[str, Path]:

@@ -21,6 +21,14 @@ CNI_PLUGINS_VERSION = "v1.10.0"
 COREDNS_VERSION = "v1.15.0"
 # The device-plugin API module our simulated-accelerator plugin is built against (k8s.io/kubelet).
 KUBELET_API_VERSION = "v0" + KUBERNETES_VERSION[KUBERNETES_VERSION.index(".") :]
+# Argo CD (GitOps tests only; never part of the running dev cluster). Its go.mod says `go 1.27.0`, so
+# it is built with that toolchain (fetched through the Go module proxy like any module). kustomize, for
+# kustomize sources: Argo CD v3.6.1 ships 5.8.3 (hack/tool-versions.sh), whose go.mod needs a
+# kube-openapi pseudo-version the proxy does not serve; v5.8.1 links the same kustomize/api v0.21.1
+# as argo-cd itself.
+ARGOCD_VERSION = "v3.6.1"
+ARGOCD_GO_TOOLCHAIN = "go1.27.3"
+ARGOCD_KUSTOMIZE_VERSION = "v5.8.1"
 
 
 @dataclass(frozen=True)
@@ -39,6 +47,12 @@ class Component:
     xflags: tuple[tuple[str, str], ...] = ()
     # Our own module whose source lives in tools/<name>/ (not a wrapper around an upstream module).
     local: bool = False
+    # GOTOOLCHAIN for this module's build, when upstream needs a newer Go than the one installed.
+    toolchain: str = ""
+    # Further modules the wrapper requires (module -> version), for main packages of our own.
+    requires: tuple[tuple[str, str], ...] = ()
+    # Copy upstream's replace block (Go ignores a dependency's replaces; argo-cd needs its own).
+    copy_replaces: bool = False
 
     @property
     def key(self) -> str:
@@ -140,3 +154,24 @@ NODE_COMPONENTS: dict[str, Component] = {
         local=True,
     ),
 }
+
+
+# Components a test builds on demand (the dev cluster itself neither needs nor builds them).
+ARGOCD_MODULE = "finetune.dev/devcluster/tools/argocd"
+OPTIONAL_COMPONENTS: dict[str, Component] = {
+    "argocd": Component(
+        name="argocd",
+        module="github.com/argoproj/argo-cd/v3",
+        version=ARGOCD_VERSION,
+        # Main packages of our own in tools/argocd/ (see their doc comments): upstream's cmd/main.go
+        # links the API server, CLI, Dex and every SCM SDK; ours links only what the tests run.
+        binaries={
+            f"{ARGOCD_MODULE}/argocd": "argocd",
+            f"{ARGOCD_MODULE}/argocd-lua-health": "argocd-lua-health",
+        },
+        toolchain=ARGOCD_GO_TOOLCHAIN,
+        requires=(("sigs.k8s.io/kustomize/kustomize/v5", ARGOCD_KUSTOMIZE_VERSION),),
+        copy_replaces=True,
+    ),
+}
+ALL_COMPONENTS: dict[str, Component] = {**COMPONENTS, **NODE_COMPONENTS, **OPTIONAL_COMPONENTS}
