@@ -34,7 +34,7 @@ from typing import Any
 
 import yaml
 
-from .versions import COMPONENTS, Component
+from .versions import ALL_COMPONENTS, COMPONENTS, Component
 
 TOOLS_DIR = Path(__file__).parent / "tools"
 Log = Callable[[str], None]
@@ -92,10 +92,18 @@ def _go_version(go: str) -> str:
     return subprocess.run([go, "env", "GOVERSION"], check=True, capture_output=True, text=True).stdout.strip()
 
 
+def _own_sources(comp: Component) -> list[Path]:
+    """Source files of our own main packages in the wrapper module (``tools/<name>/<dir>/*.go``)."""
+    return sorted(p for p in (TOOLS_DIR / comp.name).rglob("*.go"))
+
+
 def _stamp(comp: Component, go_version: str) -> str:
     h = hashlib.sha256()
     for name in ("go.mod", "go.sum"):
         h.update((TOOLS_DIR / comp.name / name).read_bytes())
+    for src in _own_sources(comp):
+        h.update(str(src.relative_to(TOOLS_DIR / comp.name)).encode())
+        h.update(src.read_bytes())
     h.update(go_version.encode())
     h.update(json.dumps(sorted(comp.binaries.items())).encode())
     return h.hexdigest()
@@ -197,6 +205,10 @@ def _build_one(comp: Component, go: str, go_version: str, log: Log) -> float:
     src.mkdir(parents=True, exist_ok=True)
     for name in ("go.mod", "go.sum"):
         shutil.copyfile(TOOLS_DIR / comp.name / name, src / name)
+    for own in _own_sources(comp):
+        dest = src / own.relative_to(TOOLS_DIR / comp.name)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(own, dest)
     logfile = cache_dir() / "bin" / f"{comp.key}.build.log"
     env = _go_env()
     dl = subprocess.run([go, "mod", "download", "-json", comp.module], cwd=src, env=env, capture_output=True, text=True)
@@ -244,8 +256,11 @@ def _needs_build(comp: Component, go_version: str | None, force: bool) -> bool:
 
 
 def build(names: Iterable[str] | None = None, force: bool = False, log: Log = print) -> dict[str, float]:
-    """Build what is missing or stale; return seconds spent per component built (empty: nothing to do)."""
-    comps = [COMPONENTS[n] for n in (names or COMPONENTS)]
+    """Build what is missing or stale; return seconds spent per component built (empty: nothing to do).
+
+    No names: the dev cluster's components. Optional ones (helm, promtool, ...) are built only when named.
+    """
+    comps = [ALL_COMPONENTS[n] for n in (names or COMPONENTS)]
     go = find_go()
     go_version = _go_version(go)
     timings: dict[str, float] = {}
@@ -254,6 +269,14 @@ def build(names: Iterable[str] | None = None, force: bool = False, log: Log = pr
             if _needs_build(comp, go_version, force):
                 timings[comp.name] = _build_one(comp, go, go_version, log)
     return timings
+
+
+def optional_binaries(name: str, log: Log = print) -> Path:
+    """The directory of an optional component (e.g. ``helm``), built first if it is not cached."""
+    comp = ALL_COMPONENTS[name]
+    if not is_built(comp):
+        build([name], log=log)
+    return component_dir(comp)
 
 
 def ensure_built(log: Log = print) -> dict[str, Path]:
@@ -265,13 +288,14 @@ def ensure_built(log: Log = print) -> dict[str, Path]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Build the dev cluster's binaries from Go modules.")
-    parser.add_argument("components", nargs="*", help=f"subset of {sorted(COMPONENTS)} (default: all)")
+    parser.add_argument("components", nargs="*",
+                        help=f"subset of {sorted(ALL_COMPONENTS)} (default: the dev cluster's {sorted(COMPONENTS)})")
     parser.add_argument("--force", action="store_true", help="rebuild even if cached")
     parser.add_argument("--print-dir", action="store_true", help="print the binary directories and exit")
     args = parser.parse_args(argv)
-    unknown = set(args.components) - set(COMPONENTS)
+    unknown = set(args.components) - set(ALL_COMPONENTS)
     if unknown:
-        parser.error(f"unknown components {sorted(unknown)}; known: {sorted(COMPONENTS)}")
+        parser.error(f"unknown components {sorted(unknown)}; known: {sorted(ALL_COMPONENTS)}")
     if args.print_dir:
         for name, path in binaries().items():
             print(f"{name}\t{path}")

@@ -14,6 +14,11 @@ ETCD_VERSION = "v3.7.3"
 # newest that is. Bump here once it is.
 KUBERAY_VERSION = "v1.6.1"
 KWOK_VERSION = "v0.8.0"
+# Tools the tests of deploy/ run (never part of the running dev cluster). Prometheus's Go module
+# versions v0.3XX.Y are Prometheus 3.XX.Y.
+PROMETHEUS_VERSION = "v0.316.0"
+HELM_VERSION = "v4.3.2"
+GRAFANA_FOUNDATION_SDK_VERSION = "v0.0.22"
 
 
 @dataclass(frozen=True)
@@ -25,6 +30,8 @@ class Component:
     version: str
     # package path -> binary file name
     binaries: dict[str, str]
+    # Further modules the wrapper requires (module -> version), for main packages of our own.
+    requires: tuple[tuple[str, str], ...] = ()
 
     @property
     def key(self) -> str:
@@ -62,3 +69,36 @@ COMPONENTS: dict[str, Component] = {
         binaries={"sigs.k8s.io/kwok/cmd/kwok": "kwok"},
     ),
 }
+
+
+# Components a test builds on demand (the dev cluster itself neither needs nor builds them).
+OPTIONAL_COMPONENTS: dict[str, Component] = {
+    "promtool": Component(
+        name="promtool",
+        module="github.com/prometheus/prometheus",
+        version=PROMETHEUS_VERSION,
+        binaries={"github.com/prometheus/prometheus/cmd/promtool": "promtool"},
+    ),
+    "helm": Component(
+        name="helm",
+        module="helm.sh/helm/v4",
+        version=HELM_VERSION,
+        binaries={"helm.sh/helm/v4/cmd/helm": "helm"},
+    ),
+    # Grafana publishes its dashboard schema as generated code (the foundation SDK); our own main
+    # package in tools/grafana/dashboard-check/ decodes a dashboard strictly with it and validates it.
+    "grafana": Component(
+        name="grafana",
+        module="github.com/grafana/grafana-foundation-sdk/go",
+        version=GRAFANA_FOUNDATION_SDK_VERSION,
+        binaries={"finetune.dev/devcluster/tools/grafana/dashboard-check": "grafana-dashboard-check"},
+    ),
+}
+ALL_COMPONENTS: dict[str, Component] = {**COMPONENTS, **OPTIONAL_COMPONENTS}
+
+# CRDs of projects whose objects deploy/ ships but the dev cluster does not run: read from their Go
+# modules (downloaded through the module proxy; nothing is built). See upstream_crds.py.
+PROMETHEUS_OPERATOR_VERSION = "v0.85.0"
+KARPENTER_AWS_VERSION = "v1.15.2"
+# eksctl's ClusterConfig JSON schema (pkg/apis/eksctl.io/v1alpha5/assets/schema.json in its module).
+EKSCTL_VERSION = "v0.215.0"
