@@ -74,6 +74,10 @@ def _version(image: str) -> tuple[int, ...] | None:
         return None
 
 
+def names(nodes: list[dict[str, Any]]) -> str:
+    return ", ".join(n["metadata"]["name"] for n in nodes)
+
+
 def evaluate(f: Facts) -> list[Check]:
     out: list[Check] = []
     add = out.append
@@ -100,7 +104,6 @@ def evaluate(f: Facts) -> list[Check]:
         add(Check("fail", f"{itype} nodes", f"no node labelled {INSTANCE_LABEL}={itype}",
                   "eksctl create nodegroup -f deploy/eks/cluster.yaml (or apply deploy/eks/karpenter.yaml)"))
     else:
-        names = lambda ns: ", ".join(n["metadata"]["name"] for n in ns)  # noqa: E731
         for resource, plugin in ((GPU, "NVIDIA device plugin"), (EFA, "EFA device plugin")):
             lacking = [n for n in typed if _alloc(n, resource) <= 0]
             add(Check("fail", f"{resource} allocatable", f"none on {names(lacking)}: is the {plugin} running there?", ADDONS)
