@@ -106,6 +106,8 @@ def _stamp(comp: Component, go_version: str) -> str:
         h.update(src.read_bytes())
     h.update(go_version.encode())
     h.update(json.dumps(sorted(comp.binaries.items())).encode())
+    if comp.tags:
+        h.update(",".join(comp.tags).encode())
     return h.hexdigest()
 
 
@@ -225,7 +227,8 @@ def _build_one(comp: Component, go: str, go_version: str, log: Log) -> float:
     tmp.mkdir(parents=True)
     pkgs = list(comp.binaries)
     target = str(tmp / comp.binaries[pkgs[0]]) if len(pkgs) == 1 else str(tmp) + os.sep
-    cmd = [go, "build", "-ldflags", _ldflags(comp, info), "-o", target, *pkgs]
+    tags = ["-tags", ",".join(comp.tags)] if comp.tags else []
+    cmd = [go, "build", *tags, "-ldflags", _ldflags(comp, info), "-o", target, *pkgs]
     log(f"[build] {comp.name} {comp.version}: {' '.join(comp.binaries.values())} (log: {logfile})")
     with open(logfile, "w") as lf:
         lf.write(f"$ (cd {src} && {' '.join(cmd)})\n")
