@@ -28,6 +28,8 @@ class Metrics:
         self._tracked: set[tuple[str, str]] = set()
         self._untracked: set[tuple[str, str]] = set()
         self.reconciles = Counter("finetune_reconcile_total", "Reconciles by result.", ["result"], registry=r)
+        for result in ("ok", "error"):  # both series exist from the start: rates and alerts see a 0, not nothing
+            self.reconciles.labels(result)
         self.reconcile_seconds = Histogram(
             "finetune_reconcile_duration_seconds", "Reconcile latency.", registry=r,
             buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .build import BuildError, _go_env, find_go
-from .versions import KARPENTER_AWS_VERSION, PROMETHEUS_OPERATOR_VERSION
+from .versions import KARPENTER_AWS_VERSION, KARPENTER_GO_TOOLCHAIN, PROMETHEUS_OPERATOR_VERSION
 
 
 @dataclass(frozen=True)
@@ -21,6 +21,7 @@ class CrdSource:
     version: str
     directory: str
     names: tuple[str, ...] = ()  # file names to take; empty: every *.yaml in directory
+    toolchain: str = ""  # GOTOOLCHAIN when the module's go.mod needs a newer Go than the installed one
 
 
 SOURCES: dict[str, CrdSource] = {
@@ -30,15 +31,19 @@ SOURCES: dict[str, CrdSource] = {
         ("monitoring.coreos.com_servicemonitors.yaml", "monitoring.coreos.com_prometheusrules.yaml"),
     ),
     # The AWS provider's module carries the core CRDs (karpenter.sh) next to its own (karpenter.k8s.aws).
-    "karpenter": CrdSource("github.com/aws/karpenter-provider-aws", KARPENTER_AWS_VERSION, "pkg/apis/crds"),
+    # Its go.mod says go 1.26.11: `go mod download` refuses it under Go 1.26.8 without that toolchain
+    # (fetched once through the Go module proxy, like any module).
+    "karpenter": CrdSource("github.com/aws/karpenter-provider-aws", KARPENTER_AWS_VERSION, "pkg/apis/crds",
+                           toolchain=KARPENTER_GO_TOOLCHAIN),
 }
 
 
-def module_dir(module: str, version: str) -> Path:
+def module_dir(module: str, version: str, toolchain: str = "") -> Path:
     """Where the Go module cache holds ``module@version`` (downloaded first if needed)."""
+    env = {**_go_env(), **({"GOTOOLCHAIN": toolchain} if toolchain else {})}
     with tempfile.TemporaryDirectory() as tmp:  # outside any module: GOFLAGS=-mod=readonly has nothing to read
         res = subprocess.run([find_go(), "mod", "download", "-json", f"{module}@{version}"], cwd=tmp,
-                             env=_go_env(), capture_output=True, text=True, check=False)
+                             env=env, capture_output=True, text=True, check=False)
     if res.returncode != 0:
         raise BuildError(f"go mod download {module}@{version} failed:\n{res.stdout}{res.stderr}")
     return Path(json.loads(res.stdout)["Dir"])
@@ -46,7 +51,7 @@ def module_dir(module: str, version: str) -> Path:
 
 def crd_files(name: str) -> list[Path]:
     src = SOURCES[name]
-    d = module_dir(src.module, src.version) / src.directory
+    d = module_dir(src.module, src.version, src.toolchain) / src.directory
     files = [d / n for n in src.names] if src.names else sorted(d.glob("*.yaml"))
     missing = [str(f) for f in files if not f.is_file()]
     if missing or not files:

@@ -105,5 +105,6 @@ ALL_COMPONENTS: dict[str, Component] = {**COMPONENTS, **OPTIONAL_COMPONENTS}
 # modules (downloaded through the module proxy; nothing is built). See upstream_crds.py.
 PROMETHEUS_OPERATOR_VERSION = "v0.85.0"
 KARPENTER_AWS_VERSION = "v1.15.2"
+KARPENTER_GO_TOOLCHAIN = "go1.27.3"
 # eksctl's ClusterConfig JSON schema (pkg/apis/eksctl.io/v1alpha5/assets/schema.json in its module).
 EKSCTL_VERSION = "v0.215.0"
