@@ -1,5 +1,5 @@
 # The two commands of the README, and the pieces they are made of.
-.PHONY: setup demo test test-unit test-training test-training-dlc test-integration control-plane crd golden lint images
+.PHONY: setup demo test test-unit test-training test-training-dlc test-integration control-plane crd golden lint images helm-files
 
 setup:
 	./scripts/setup
@@ -37,10 +37,16 @@ test-integration: setup control-plane
 
 crd: setup
 	.venv/bin/finetune crd > crds/finetune.dev_finetunejobs.yaml
+	cp crds/finetune.dev_finetunejobs.yaml deploy/helm/finetune-operator/crds/  # Helm reads only files in the chart
 	.venv/bin/finetune crd --markdown > docs/api.md
 
 golden: setup
 	.venv/bin/python -m pytest -q tests/unit/test_render.py --update-golden
+	.venv/bin/python -m pytest -q tests/deploy/test_helm_chart.py -k golden --update-golden
+
+# The chart ships copies of deploy/observability/ (tests/deploy/test_helm_chart.py keeps them equal).
+helm-files:
+	cp deploy/observability/prometheusrule.yaml deploy/observability/finetune-dashboard.json deploy/helm/finetune-operator/files/
 
 lint: setup
 	.venv/bin/ruff check operator training tests benchmarks examples

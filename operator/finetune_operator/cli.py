@@ -11,7 +11,8 @@ from .api.validation import SpecError, check, load_documents, parse_job
 
 # Subcommands owned by other packages register themselves; a missing optional part (e.g. the training
 # extra not installed) removes its subcommand instead of breaking the others.
-_PLUGINS = ("finetune_training.cli", "finetune_operator.devcluster.cli", "finetune_operator.runner")
+_PLUGINS = ("finetune_training.cli", "finetune_operator.devcluster.cli", "finetune_operator.runner",
+            "finetune_operator.preflight_cli")
 
 
 def _read(path: str) -> str:

@@ -125,8 +125,11 @@ def _stamp(comp: Component, go_version: str) -> str:
             h.update(src.read_bytes())
     h.update(go_version.encode())
     h.update(json.dumps(sorted(comp.binaries.items())).encode())
-    if comp.cgo or comp.tags or comp.xflags:  # (absent for the control plane: its stamps stay as they were)
+    # (Absent for the control plane: its stamps stay as they were.)
+    if comp.cgo or comp.xflags:
         h.update(json.dumps([comp.cgo, list(comp.tags), list(comp.xflags)]).encode())
+    elif comp.tags:
+        h.update(",".join(comp.tags).encode())
     return h.hexdigest()
 
 
@@ -318,8 +321,8 @@ def _needs_build(comp: Component, go_version: str | None, force: bool) -> bool:
 def build(names: Iterable[str] | None = None, force: bool = False, log: Log = print) -> dict[str, float]:
     """Build what is missing or stale; return seconds spent per component built (empty: nothing to do).
 
-    No names: the control plane. Real-node and optional (Argo CD) components are built only when named;
-    control-plane and the other components build under separate locks.
+    No names: the control plane. Real-node and optional (Argo CD, helm, promtool, ...) components are
+    built only when named; control-plane and the other components build under separate locks.
     """
     comps = [ALL_COMPONENTS[n] for n in (names or COMPONENTS)]
     go = find_go()
@@ -343,7 +346,7 @@ def missing_optional(names: Iterable[str]) -> list[str]:
 
 
 def optional_binaries(name: str, log: Log = print) -> Path:
-    """The directory of an optional component (e.g. ``argocd``), built first if it is not cached."""
+    """The directory of an optional component (e.g. ``argocd``, ``helm``), built first if it is not cached."""
     comp = ALL_COMPONENTS[name]
     if not is_built(comp):
         build([name], log=log)

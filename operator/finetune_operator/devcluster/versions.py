@@ -29,6 +29,11 @@ KUBELET_API_VERSION = "v0" + KUBERNETES_VERSION[KUBERNETES_VERSION.index(".") :]
 ARGOCD_VERSION = "v3.6.1"
 ARGOCD_GO_TOOLCHAIN = "go1.27.3"
 ARGOCD_KUSTOMIZE_VERSION = "v5.8.1"
+# Tools the tests of deploy/ run (never part of the running dev cluster). Prometheus's Go module
+# versions v0.3XX.Y are Prometheus 3.XX.Y.
+PROMETHEUS_VERSION = "v0.316.0"
+HELM_VERSION = "v4.3.2"
+GRAFANA_FOUNDATION_SDK_VERSION = "v0.0.22"
 
 
 @dataclass(frozen=True)
@@ -173,5 +178,36 @@ OPTIONAL_COMPONENTS: dict[str, Component] = {
         requires=(("sigs.k8s.io/kustomize/kustomize/v5", ARGOCD_KUSTOMIZE_VERSION),),
         copy_replaces=True,
     ),
+    "promtool": Component(
+        name="promtool",
+        module="github.com/prometheus/prometheus",
+        version=PROMETHEUS_VERSION,
+        binaries={"github.com/prometheus/prometheus/cmd/promtool": "promtool"},
+        # Prometheus's own switch to leave out every service-discovery plugin (and with them the AWS,
+        # Azure and GCP SDKs): rule checks and rule unit tests need none, and the build is far shorter.
+        tags=("remove_all_sd",),
+    ),
+    "helm": Component(
+        name="helm",
+        module="helm.sh/helm/v4",
+        version=HELM_VERSION,
+        binaries={"helm.sh/helm/v4/cmd/helm": "helm"},
+    ),
+    # Grafana publishes its dashboard schema as generated code (the foundation SDK); our own main
+    # package in tools/grafana/dashboard-check/ decodes a dashboard strictly with it and validates it.
+    "grafana": Component(
+        name="grafana",
+        module="github.com/grafana/grafana-foundation-sdk/go",
+        version=GRAFANA_FOUNDATION_SDK_VERSION,
+        binaries={"finetune.dev/devcluster/tools/grafana/dashboard-check": "grafana-dashboard-check"},
+    ),
 }
 ALL_COMPONENTS: dict[str, Component] = {**COMPONENTS, **NODE_COMPONENTS, **OPTIONAL_COMPONENTS}
+
+# CRDs of projects whose objects deploy/ ships but the dev cluster does not run: read from their Go
+# modules (downloaded through the module proxy; nothing is built). See upstream_crds.py.
+PROMETHEUS_OPERATOR_VERSION = "v0.85.0"
+KARPENTER_AWS_VERSION = "v1.15.2"
+KARPENTER_GO_TOOLCHAIN = "go1.27.3"
+# eksctl's ClusterConfig JSON schema (pkg/apis/eksctl.io/v1alpha5/assets/schema.json in its module).
+EKSCTL_VERSION = "v0.215.0"
