@@ -13,7 +13,8 @@ from .instance_types import InstanceType
 
 # Subcommands owned by other packages register themselves; a missing optional part (e.g. the training
 # extra not installed) removes its subcommand instead of breaking the others.
-_PLUGINS = ("finetune_training.cli", "finetune_operator.devcluster.cli", "finetune_operator.runner")
+_PLUGINS = ("finetune_training.cli", "finetune_operator.devcluster.cli", "finetune_operator.runner",
+            "finetune_operator.preflight_cli")
 
 
 def _read(path: str) -> str:

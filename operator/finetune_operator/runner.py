@@ -93,6 +93,7 @@ async def run(args: argparse.Namespace) -> int:
                             cluster_config=ClusterConfig(kube, args.config_namespace))
     queue = WorkQueue(reconciler.reconcile, workers=args.workers)
     progress = ProgressServer(kube, metrics, on_flushed=queue.add, flush_interval=args.flush_interval)
+    metrics.queue_depth.set_function(queue.depth)
 
     ssl_ctx = None
     reloader = None
@@ -124,6 +125,7 @@ async def run(args: argparse.Namespace) -> int:
             await runner.cleanup()
             return 0
     progress.ready = True
+    metrics.leader.set(1)
 
     registry = build_registry(queue, reconciler, progress)
 
@@ -162,6 +164,7 @@ async def run(args: argparse.Namespace) -> int:
     lost = elector is not None and not elector.is_leader and not stop.is_set()
     kopf_stop.set()
     progress.ready = False
+    metrics.leader.set(0)
     await asyncio.to_thread(progress.flush_once)
     for t in tasks + waiters:
         if t.get_name() != "kopf":

@@ -88,7 +88,7 @@ def test_seed_setup_g6_12xlarge_with_efa() -> None:
     e = env(c)
     assert e["FI_PROVIDER"] == "efa" and e["NCCL_NET_PLUGIN"] == "ofi" and e["NCCL_SOCKET_IFNAME"] == "eth0"
     assert "FI_EFA_USE_DEVICE_RDMA" not in e  # g6 has no GPUDirect RDMA
-    assert e["FINETUNE_REQUIRE_EFA"] == "1"
+    assert e["FINETUNE_REQUIRE_EFA"] == "1" and e["NCCL_NET"] == "Libfabric"  # NCCL itself refuses to fall back
     spec = w["template"]["spec"]
     shm = next(v for v in spec["volumes"] if v["name"] == "dshm")
     assert shm["emptyDir"]["medium"] == "Memory"
@@ -128,6 +128,7 @@ def test_instance_table(instance: str, gpus: str, efa: str, cpu: str, memory: st
     )
     rdma = env(c).get("FI_EFA_USE_DEVICE_RDMA")
     assert rdma == ("1" if instance.startswith("p") else None)
+    assert "NCCL_NET" not in env(c)  # requireEFA off: NCCL may fall back, the probe reports it
 
 
 def test_efa_off_has_no_efa_resources_or_env() -> None:
@@ -135,7 +136,7 @@ def test_efa_off_has_no_efa_resources_or_env() -> None:
     limits = c["resources"]["limits"]
     assert "vpc.amazonaws.com/efa" not in limits and "hugepages-2Mi" not in limits
     e = env(c)
-    assert "FI_PROVIDER" not in e and "NCCL_NET_PLUGIN" not in e
+    assert "FI_PROVIDER" not in e and "NCCL_NET_PLUGIN" not in e and "NCCL_NET" not in e
     assert "securityContext" not in c
 
 

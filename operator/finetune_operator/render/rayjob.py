@@ -241,6 +241,9 @@ def _env(job: s.FinetuneJob, cfg: RenderConfig, *, worker: bool) -> list[Obj]:
             # Ray and PyTorch data loaders fork; libfabric must know (else memory registration breaks).
             {"name": "FI_EFA_FORK_SAFE", "value": "1"},
         ]
+        if spec.network.require_efa:
+            # aws-ofi-nccl's network name: pinned, NCCL fails instead of falling back to sockets.
+            env.append({"name": "NCCL_NET", "value": "Libfabric"})
         if inst is not None and inst.gpudirect_rdma:
             env.append({"name": "FI_EFA_USE_DEVICE_RDMA", "value": "1"})
     elif worker:
