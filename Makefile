@@ -1,5 +1,5 @@
 # The two commands of the README, and the pieces they are made of.
-.PHONY: setup demo test test-unit test-training test-integration control-plane crd golden lint
+.PHONY: setup demo test test-unit test-training test-training-dlc test-integration control-plane crd golden lint images helm-files
 
 setup:
 	./scripts/setup
@@ -8,9 +8,11 @@ setup:
 demo: setup
 	.venv/bin/finetune run examples/local-tiny.yaml
 
-# Second command: set up (venv + Go-built control plane), lint/type-check, and run the whole test suite.
+# Second command: set up (venv + Go-built control plane), lint/type-check, and run the whole test suite;
+# then tests/training once more on the Ray Train DLC's own stack (Python 3.13 + requirements/dlc.txt).
 test: setup control-plane lint
 	.venv/bin/python -m pytest -ra
+	./scripts/test-training-dlc
 
 control-plane: setup
 	.venv/bin/finetune dev-cluster build
@@ -18,18 +20,34 @@ control-plane: setup
 test-unit: setup
 	.venv/bin/python -m pytest -ra tests/unit
 
+# The training runtime on both stacks: the project's pins (.venv) and the DLC's (Python 3.13, /opt/venv).
 test-training: setup
 	.venv/bin/python -m pytest -ra tests/training
+	./scripts/test-training-dlc
+
+test-training-dlc: setup
+	./scripts/test-training-dlc
+
+# The real node's images (Ray image on the DLC stack, operator image by buildah), cached; prints the archives.
+images: setup
+	.venv/bin/finetune dev-cluster images
 
 test-integration: setup control-plane
 	.venv/bin/python -m pytest -ra tests/integration
 
 crd: setup
 	.venv/bin/finetune crd > crds/finetune.dev_finetunejobs.yaml
+	cp crds/finetune.dev_finetunejobs.yaml deploy/helm/finetune-operator/crds/  # Helm reads only files in the chart
 	.venv/bin/finetune crd --markdown > docs/api.md
+	.venv/bin/finetune crd --instance-types > deploy/instance-types.yaml
 
 golden: setup
 	.venv/bin/python -m pytest -q tests/unit/test_render.py --update-golden
+	.venv/bin/python -m pytest -q tests/deploy/test_helm_chart.py -k golden --update-golden
+
+# The chart ships copies of deploy/observability/ (tests/deploy/test_helm_chart.py keeps them equal).
+helm-files:
+	cp deploy/observability/prometheusrule.yaml deploy/observability/finetune-dashboard.json deploy/helm/finetune-operator/files/
 
 lint: setup
 	.venv/bin/ruff check operator training tests benchmarks examples

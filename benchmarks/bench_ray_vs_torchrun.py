@@ -1,12 +1,14 @@
 """Step time of the runtime's FSDP loop under Ray Train vs plain torchrun (2 CPU workers, gloo).
 
     .venv/bin/python benchmarks/bench_ray_vs_torchrun.py [--steps 40] [--warmup 5] [--repeats 3]
-                                                          [--job examples/local-tiny.yaml]
+                                                          [--job examples/local-tiny.yaml] [--profile DIR]
 
 Both sides run exactly the runtime's training step (`finetune_training.loop.Trainer.train_step`: FSDP2
 forward/backward over the job's packed data, grad clipping, AdamW, the loss all-reduce) on the same
 model, data and seed, one thread per rank; only the launcher differs. No progress endpoint and no
-checkpoints inside the timed window. Prints the median step times and their ratio (goal: Ray <= 1.10x).
+checkpoints inside the timed window. Prints each alternating pair's median step times and ratio, and
+the median of those ratios (goal: Ray <= 1.10x). `--profile DIR` runs rank 0's timed steps under
+cProfile on both sides and writes/prints the top functions by own time (DIR/{torchrun,ray}-N.txt).
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def timed_steps(job_doc: dict[str, Any], rank: int, world: int, steps: int, warmup: int) -> list[float]:
+def timed_steps(job_doc: dict[str, Any], rank: int, world: int, steps: int, warmup: int,
+                profile: str | None = None) -> list[float]:
     import torch
     from finetune_operator.api.spec import FinetuneJob
     from finetune_training.environment import RuntimeEnv
@@ -39,10 +42,24 @@ def timed_steps(job_doc: dict[str, Any], rank: int, world: int, steps: int, warm
     trainer.setup()
     trainer.total = steps + warmup
     times = []
-    for _ in range(steps + warmup):
+    prof = None
+    for i in range(steps + warmup):
+        if i == warmup and profile and rank == 0:
+            import cProfile
+
+            prof = cProfile.Profile()
+            prof.enable()
         t0 = time.perf_counter()
         trainer.train_step()
         times.append(time.perf_counter() - t0)
+    if prof is not None and profile:
+        import io
+        import pstats
+
+        prof.disable()
+        buf = io.StringIO()
+        pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(25)
+        Path(profile).write_text(buf.getvalue())
     return times[warmup:]
 
 
@@ -50,12 +67,13 @@ def ray_worker(config: dict[str, Any]) -> None:
     import ray.train
 
     ctx = ray.train.get_context()
-    times = timed_steps(config["job"], ctx.get_world_rank(), ctx.get_world_size(), config["steps"], config["warmup"])
+    times = timed_steps(config["job"], ctx.get_world_rank(), ctx.get_world_size(), config["steps"], config["warmup"],
+                        config.get("profile"))
     if ctx.get_world_rank() == 0:
         Path(config["out"]).write_text(json.dumps(times))
 
 
-def run_ray(job_doc: dict[str, Any], steps: int, warmup: int, out: Path) -> list[float]:
+def run_ray(job_doc: dict[str, Any], steps: int, warmup: int, out: Path, profile: str | None = None) -> list[float]:
     import ray
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
@@ -64,7 +82,7 @@ def run_ray(job_doc: dict[str, Any], steps: int, warmup: int, out: Path) -> list
     try:
         TorchTrainer(
             ray_worker,
-            train_loop_config={"job": job_doc, "steps": steps, "warmup": warmup, "out": str(out)},
+            train_loop_config={"job": job_doc, "steps": steps, "warmup": warmup, "out": str(out), "profile": profile},
             scaling_config=ScalingConfig(num_workers=2, use_gpu=False),
             run_config=RunConfig(name="bench", storage_path=str(out.parent / "ray")),
             torch_config=TorchConfig(backend="gloo"),
@@ -74,11 +92,11 @@ def run_ray(job_doc: dict[str, Any], steps: int, warmup: int, out: Path) -> list
     return list(json.loads(out.read_text()))
 
 
-def run_torchrun(job_file: Path, steps: int, warmup: int, out: Path) -> list[float]:
+def run_torchrun(job_file: Path, steps: int, warmup: int, out: Path, profile: str | None = None) -> list[float]:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", __file__,
            "--torchrun-worker", "--job", str(job_file), "--steps", str(steps), "--warmup", str(warmup),
-           "--out", str(out)]
+           "--out", str(out)] + (["--profile-out", profile] if profile else [])
     subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     return list(json.loads(out.read_text()))
 
@@ -88,7 +106,7 @@ def torchrun_worker(args: argparse.Namespace) -> None:
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    times = timed_steps(load_doc(args.job), rank, world, args.steps, args.warmup)
+    times = timed_steps(load_doc(args.job), rank, world, args.steps, args.warmup, args.profile_out)
     if rank == 0:
         Path(args.out).write_text(json.dumps(times))
     dist.destroy_process_group()
@@ -108,6 +126,8 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--repeats", type=int, default=1, help="alternating torchrun/Ray runs (figures pooled)")
     p.add_argument("--out")
+    p.add_argument("--profile", help="cProfile rank 0's timed steps on both sides; reports go to this directory")
+    p.add_argument("--profile-out", help=argparse.SUPPRESS)
     p.add_argument("--torchrun-worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.torchrun_worker:
@@ -120,9 +140,14 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         job_file = Path(tmp) / "job.json"
         job_file.write_text(json.dumps(doc))
+        prof_dir = Path(args.profile).resolve() if args.profile else None
+        if prof_dir:
+            prof_dir.mkdir(parents=True, exist_ok=True)
         for i in range(args.repeats):  # alternate, so machine-wide noise hits both sides alike
-            a = run_torchrun(job_file, args.steps, args.warmup, Path(tmp) / f"torchrun{i}.json")
-            b = run_ray(doc, args.steps, args.warmup, Path(tmp) / f"ray{i}.json")
+            pt = str(prof_dir / f"torchrun-{i}.txt") if prof_dir else None
+            pr = str(prof_dir / f"ray-{i}.txt") if prof_dir else None
+            a = run_torchrun(job_file, args.steps, args.warmup, Path(tmp) / f"torchrun{i}.json", pt)
+            b = run_ray(doc, args.steps, args.warmup, Path(tmp) / f"ray{i}.json", pr)
             t_torchrun += a
             t_ray += b
             pairs.append((statistics.median(a), statistics.median(b)))
@@ -137,7 +162,13 @@ def main() -> None:
           f"p90 {q(t_torchrun, 0.9) * 1000:.1f})")
     print(f"Ray Train median step {med_r * 1000:8.1f} ms   (p10 {q(t_ray, 0.1) * 1000:.1f}, "
           f"p90 {q(t_ray, 0.9) * 1000:.1f})")
-    print(f"ratio Ray/torchrun: {med_r / med_t:.3f}x (goal <= 1.10x)")
+    ratios = [b / a for a, b in pairs]
+    print(f"ratio Ray/torchrun: median of {len(ratios)} alternating run(s) {statistics.median(ratios):.3f}x "
+          f"(pooled medians {med_r / med_t:.3f}x; goal <= 1.10x)")
+    if args.profile:
+        for f in sorted(Path(args.profile).glob("*-0.txt")):
+            print(f"--- {f.name} (top by own time)")
+            print("\n".join(f.read_text().splitlines()[:40]))
 
 
 def q(xs: list[float], f: float) -> float:

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 import os
 import signal
 import socket
-import ssl
 import sys
 import uuid
+from pathlib import Path
 from typing import Any
 
 log = logging.getLogger("finetune.operator")
@@ -32,12 +33,17 @@ def register(sub: Any) -> None:
                    help="base URL pods use to reach this operator (e.g. http://finetune-operator.finetune-system.svc:8080)")
     p.add_argument("--tls-cert", help="serve HTTPS with this certificate")
     p.add_argument("--tls-key", help="private key for --tls-cert")
+    p.add_argument("--progress-ca", help="CA certificate (PEM file) the pods trust for an https --progress-url")
     p.add_argument("--flush-interval", type=float, default=5.0, help="seconds between progress status writes per job")
     p.add_argument("--resync-interval", type=float, default=120.0, help="seconds between full re-reconciles")
     p.add_argument("--workers", type=int, default=4, help="concurrent reconciles")
     p.add_argument("--leader-elect", action=argparse.BooleanOptionalAction, default=True, help="take a Lease before acting")
     p.add_argument("--lease-namespace", default=os.environ.get("POD_NAMESPACE", "default"))
     p.add_argument("--lease-name", default="finetune-operator-leader")
+    p.add_argument("--submitter-image", default=None,
+                   help="image of the pod that runs `ray job submit` ({rayVersion} is replaced; default: a Ray CPU image)")
+    p.add_argument("--config-namespace", default=os.environ.get("POD_NAMESPACE", "finetune-system"),
+                   help="namespace of the ConfigMaps with instance-type figures and the allow-list (deploy/)")
     p.add_argument("--identity", default=os.environ.get("POD_NAME") or f"{socket.gethostname()}-{uuid.uuid4().hex[:6]}")
     p.add_argument("--pod-name", default=os.environ.get("POD_NAME"),
                    help="this replica's pod (in --lease-namespace): the leader labels it finetune.dev/operator-leader=true")
@@ -67,12 +73,13 @@ async def run(args: argparse.Namespace) -> int:
     import kopf
     from aiohttp import web
 
+    from .controller.clusterconfig import ClusterConfig
     from .controller.handlers import build_registry, settings_for_embedding
     from .controller.k8s import Kube, load_config
     from .controller.leader import LeaderElector, label_own_pod
     from .controller.metrics import Metrics
     from .controller.progress import ProgressServer
-    from .controller.reconcile import Reconciler
+    from .controller.reconcile import TERMINAL, Reconciler
     from .controller.workqueue import WorkQueue
     from .render.bundle import runtime_files
     from .render.config import RenderConfig
@@ -80,20 +87,30 @@ async def run(args: argparse.Namespace) -> int:
     api = load_config(args.kubeconfig)
     kube = Kube(api)
     metrics = Metrics()
-    reconciler = Reconciler(kube, RenderConfig(progress_url=args.progress_url), runtime_files(), metrics)
+    progress_ca = Path(args.progress_ca).read_text() if args.progress_ca else None
+    render_cfg = RenderConfig(progress_url=args.progress_url, progress_ca=progress_ca)
+    if args.submitter_image:
+        render_cfg = dataclasses.replace(render_cfg, submitter_image=args.submitter_image)
+    reconciler = Reconciler(kube, render_cfg, runtime_files(), metrics,
+                            cluster_config=ClusterConfig(kube, args.config_namespace))
     queue = WorkQueue(reconciler.reconcile, workers=args.workers)
     reconciler.requeue_after = queue.add_after
     progress = ProgressServer(kube, metrics, on_flushed=queue.add, flush_interval=args.flush_interval)
+    metrics.queue_depth.set_function(queue.depth)
 
     ssl_ctx = None
+    reloader = None
     if args.tls_cert:
-        ssl_ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-        ssl_ctx.load_cert_chain(args.tls_cert, args.tls_key)
+        from .controller.tls import CertificateReloader
+
+        reloader = CertificateReloader(args.tls_cert, args.tls_key)
+        ssl_ctx = reloader.context
     runner = web.AppRunner(progress.app(), access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, args.listen, args.port, ssl_context=ssl_ctx)
     await site.start()
     log.info("serving progress/metrics on %s:%d (%s)", args.listen, args.port, "https" if ssl_ctx else "http")
+    cert_watch = asyncio.create_task(reloader.watch()) if reloader else None
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -114,6 +131,7 @@ async def run(args: argparse.Namespace) -> int:
             await runner.cleanup()
             return 0
     progress.ready = True
+    metrics.leader.set(1)
     if elector and args.pod_name:
         await asyncio.to_thread(label_own_pod, kube, args.lease_namespace, args.pod_name, True)
 
@@ -128,8 +146,9 @@ async def run(args: argparse.Namespace) -> int:
     async def resync() -> None:
         while True:
             await asyncio.sleep(args.resync_interval)
-            for ns, name in list(reconciler.phases):
-                queue.add(ns, name)
+            for (ns, name), phase in list(reconciler.phases.items()):
+                if phase not in TERMINAL:  # finished jobs change only through events (delete, edit)
+                    queue.add(ns, name)
 
     kopf_stop = asyncio.Event()
     tasks: list[asyncio.Task[Any]] = [
@@ -153,6 +172,7 @@ async def run(args: argparse.Namespace) -> int:
     lost = elector is not None and not elector.is_leader and not stop.is_set()
     kopf_stop.set()
     progress.ready = False
+    metrics.leader.set(0)
     if not lost:  # a deposed leader writes nothing more, not even its last progress
         await asyncio.to_thread(progress.flush_once)
     for t in tasks + waiters:
@@ -162,6 +182,8 @@ async def run(args: argparse.Namespace) -> int:
     await queue.stop()
     if elector and not lost:
         await asyncio.to_thread(elector.release)
+    if cert_watch:
+        cert_watch.cancel()
     await runner.cleanup()
     for t in done:
         if t in tasks and not t.cancelled() and t.exception():

@@ -61,7 +61,8 @@ def wait_for(what: str, check: Callable[[], object], timeout: float = 60, interv
 
 
 def _uses_cluster(item: pytest.Item) -> bool:
-    return "control_plane" in getattr(item, "fixturenames", ())
+    names = getattr(item, "fixturenames", ())
+    return "control_plane" in names or ("real" in names and item.get_closest_marker("real_node") is not None)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -71,11 +72,23 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.integration)
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "needs_build(*components): optional Go-built components the test runs (e.g. argocd)")
+
+
 def pytest_collection_finish(session: pytest.Session) -> None:
     # Build before any test starts, so a cold build (minutes) never counts against a test's timeout.
-    if session.config.option.collectonly or not any(_uses_cluster(i) for i in session.items):
+    if session.config.option.collectonly:
         return
-    missing = build.missing()
+    if any("real" in getattr(i, "fixturenames", ()) and i.get_closest_marker("real_node") for i in session.items):
+        # The real node's parts (kubelet, containerd, runc, ...): only when a real-node test is selected.
+        missing_node = build.missing(build.NODE_COMPONENTS)
+        if missing_node:
+            print(f"dev cluster: building the real node's {', '.join(missing_node)}")
+            build.build(missing_node)
+    missing = build.missing() if any(_uses_cluster(i) for i in session.items) else []
+    optional = sorted({n for i in session.items for m in i.iter_markers("needs_build") for n in m.args})
+    missing += build.missing_optional(optional)
     if missing:
         reporter = session.config.pluginmanager.get_plugin("terminalreporter")
         say = reporter.write_line if reporter else print

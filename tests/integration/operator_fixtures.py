@@ -109,29 +109,46 @@ class OperatorProcess:
             return int(e.code), e.read().decode()
 
 
-def service_account_kubeconfig(admin: Path, out: Path) -> Path:
-    """Install deploy/namespace.yaml + deploy/rbac.yaml and return a kubeconfig that authenticates as the
-    operator's ServiceAccount, so the tests prove the shipped least-privilege RBAC is sufficient."""
+# Everything in deploy/ but the operator's Deployment: RBAC, admission policies and their parameters.
+DEPLOY_FILES = ("namespace.yaml", "rbac.yaml", "rbac-clusterwide.yaml", "instance-types.yaml", "policy.yaml",
+                "admission.yaml")
 
-    def kubectl(*args: str) -> str:
-        res = subprocess.run(["kubectl", "--kubeconfig", str(admin), *args], capture_output=True, text=True,
-                             timeout=60, check=False)
-        if res.returncode != 0:
-            raise RuntimeError(f"kubectl {' '.join(args)}: {res.stderr}")
-        return res.stdout
 
-    kubectl("apply", "-f", str(ROOT / "deploy" / "namespace.yaml"), "-f", str(ROOT / "deploy" / "rbac.yaml"))
-    token = kubectl("create", "token", "finetune-operator", "-n", "finetune-system", "--duration=6h").strip()
+def _kubectl(admin: Path, *args: str) -> str:
+    res = subprocess.run(["kubectl", "--kubeconfig", str(admin), *args], capture_output=True, text=True,
+                         timeout=60, check=False)
+    if res.returncode != 0:
+        raise RuntimeError(f"kubectl {' '.join(args)}: {res.stderr}")
+    return res.stdout
+
+
+def install_deploy(admin: Path) -> None:
+    args = ["apply", "--server-side", "--force-conflicts"]
+    for name in DEPLOY_FILES:
+        args += ["-f", str(ROOT / "deploy" / name)]
+    _kubectl(admin, *args)
+
+
+def token_kubeconfig(admin: Path, out: Path, token: str, user: str) -> Path:
     cfg = yaml.safe_load(admin.read_text())
     cluster = cfg["clusters"][0]
     out.write_text(yaml.safe_dump({
         "apiVersion": "v1", "kind": "Config",
         "clusters": [cluster],
-        "users": [{"name": "finetune-operator", "user": {"token": token}}],
-        "contexts": [{"name": "operator", "context": {"cluster": cluster["name"], "user": "finetune-operator"}}],
-        "current-context": "operator",
+        "users": [{"name": user, "user": {"token": token}}],
+        "contexts": [{"name": user, "context": {"cluster": cluster["name"], "user": user}}],
+        "current-context": user,
     }))
     return out
+
+
+def service_account_kubeconfig(admin: Path, out: Path) -> Path:
+    """Install deploy/ (RBAC, admission policies, their ConfigMaps) and return a kubeconfig that
+    authenticates as the operator's ServiceAccount, so the tests prove the shipped least-privilege RBAC is
+    sufficient and the admission policies let the operator do its job."""
+    install_deploy(admin)
+    token = _kubectl(admin, "create", "token", "finetune-operator", "-n", "finetune-system", "--duration=6h").strip()
+    return token_kubeconfig(admin, out, token, "finetune-operator")
 
 
 def example(name: str) -> dict[str, Any]:

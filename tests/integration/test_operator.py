@@ -339,17 +339,158 @@ def test_training_runtime_reports_through_the_progress_channel(kube: Kube, names
     assert row[2] == "6/6" and row[4] == "gloo"
 
 
-def test_spec_that_does_not_fit_the_instance_fails_without_children(kube: Kube, namespace: str,
-                                                                     operator: OperatorProcess) -> None:
-    # Passes the CRD's CEL rules (the API server has no instance-type table), so the operator must catch it.
-    create(kube, namespace, ftj("toobig", cluster__workers={"replicas": 2, "gpusPerWorker": 8},
-                                training__globalBatchSize=64))
-    st = wait_for("Failed", lambda: phase_is(kube, namespace, "toobig", "Failed"), timeout=60)
+def _node_of_new_type(kube: Kube, name: str, itype: str, gpus: int) -> None:
+    """A node of an instance type no ConfigMap describes (kwok keeps it Ready); its figures are the
+    only source the operator has for that type."""
+    from finetune_operator.devcluster.nodes import node_manifest
+
+    node = node_manifest(name, "g6.12xlarge", "new-types", index=90)
+    for key in ("node.kubernetes.io/instance-type", "beta.kubernetes.io/instance-type"):
+        node["metadata"]["labels"][key] = itype
+    for figures in (node["status"]["capacity"], node["status"]["allocatable"]):
+        figures["nvidia.com/gpu"] = str(gpus)
+    kube.core.create_node(node)
+
+
+def test_unknown_instance_type_takes_figures_from_the_nodes(kube: Kube, namespace: str, operator: OperatorProcess,
+                                                            control_plane: Any) -> None:
+    # g6e.12xlarge is in no ConfigMap: admission lets it through, the operator reads a node's figures.
+    _node_of_new_type(kube, "g6e-node-0", "g6e.12xlarge", gpus=4)
+    try:
+        create(kube, namespace, ftj("toobig", cluster__instanceType="g6e.12xlarge",
+                                    cluster__workers={"replicas": 2, "gpusPerWorker": 8}, training__globalBatchSize=64))
+        create(kube, namespace, ftj("fits", cluster__instanceType="g6e.12xlarge",
+                                    cluster__workers={"replicas": 1, "gpusPerWorker": 4}, training__globalBatchSize=32))
+        st = wait_for("Failed", lambda: phase_is(kube, namespace, "toobig", "Failed"), timeout=60)
+        valid = condition(st, "SpecValid")  # type: ignore[arg-type]
+        assert valid["status"] == "False" and valid["reason"] == "InvalidSpec"  # type: ignore[index]
+        assert ("spec.cluster.workers.gpusPerWorker: 8 GPUs per worker do not fit g6e.12xlarge "
+                "(4 GPUs; figures from node g6e-node-0)") in valid["message"]  # type: ignore[index]
+        wait_for("RayJob for the fitting job", lambda: [r for r in rayjobs(kube, namespace)
+                                                        if r["metadata"]["name"] == "fits"], timeout=60)
+        (rj,) = rayjobs(kube, namespace)
+        (group,) = rj["spec"]["rayClusterSpec"]["workerGroupSpecs"]
+        limits = group["template"]["spec"]["containers"][0]["resources"]["limits"]
+        assert limits["nvidia.com/gpu"] == "4" and limits["vpc.amazonaws.com/efa"] == "1"
+        assert kube.core.list_namespaced_config_map(namespace, label_selector="finetune.dev/job=toobig").items == []
+        events = kube.core.list_namespaced_event(namespace, field_selector="involvedObject.name=toobig").items
+        assert any(e.type == "Warning" and e.reason == "Failed" for e in events)
+    finally:
+        control_plane.delete_node("g6e-node-0")
+
+
+def test_operator_enforces_the_allow_list_for_jobs_admission_let_through(kube: Kube, namespace: str,
+                                                                         operator: OperatorProcess) -> None:
+    """A job created while the policy allowed its image (or where the admission policy is not installed)
+    is still refused by the operator: SpecValid=False naming the field and the policy, no children."""
+    policy = kube.core.read_namespaced_config_map("finetune-operator-policy", LEASE_NS)
+    original = dict(policy.data)
+    operator.stop()
+    try:
+        kube.core.patch_namespaced_config_map("finetune-operator-policy", LEASE_NS,
+                                              {"data": {"allowedImages": original["allowedImages"] + "registry.example/*\n"}})
+        doc = ftj("other-image", cluster__image="registry.example/ray:2.58.0")
+        deadline = time.monotonic() + 30
+        while True:  # the admission plugin sees the new parameters within a moment
+            try:
+                create(kube, namespace, doc)
+                break
+            except ApiException as err:
+                if err.status != 403 or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.5)
+    finally:
+        kube.core.patch_namespaced_config_map("finetune-operator-policy", LEASE_NS, {"data": original})
+        operator.start()
+    st = wait_for("Failed", lambda: phase_is(kube, namespace, "other-image", "Failed"), timeout=60)
     valid = condition(st, "SpecValid")  # type: ignore[arg-type]
-    assert valid["status"] == "False" and valid["reason"] == "InvalidSpec"  # type: ignore[index]
-    assert "spec.cluster.workers.gpusPerWorker: 8 GPUs per worker do not fit g6.12xlarge" in valid["message"]  # type: ignore[index]
-    time.sleep(2)
+    assert valid["reason"] == "InvalidSpec"  # type: ignore[index]
+    assert ("spec.cluster.image: registry.example/ray:2.58.0 is not in the allowed images "
+            "(public.ecr.aws/deep-learning-containers/ray:*; ConfigMap finetune-system/finetune-operator-policy)"
+            ) in valid["message"]  # type: ignore[index]
     assert rayjobs(kube, namespace) == []
-    assert kube.core.list_namespaced_config_map(namespace, label_selector="finetune.dev/job=toobig").items == []
-    events = kube.core.list_namespaced_event(namespace, field_selector="involvedObject.name=toobig").items
-    assert any(e.type == "Warning" and e.reason == "Failed" for e in events)
+
+
+def test_runtime_config_map_is_shared_immutable_and_collected_with_its_last_job(
+        kube: Kube, namespace: str, operator: OperatorProcess) -> None:
+    create(kube, namespace, ftj("one"))
+    create(kube, namespace, ftj("two"))
+
+    def shared() -> Any:
+        cms = kube.core.list_namespaced_config_map(namespace, label_selector="finetune.dev/runtime").items
+        return cms if len(cms) == 1 and len(cms[0].metadata.owner_references or []) == 2 else None
+
+    (cm,) = wait_for("one runtime ConfigMap owned by both jobs", shared, timeout=60)  # type: ignore[misc]
+    assert cm.immutable is True and cm.metadata.name.startswith("finetune-runtime-")
+    with pytest.raises(ApiException) as err:  # nobody, not even an admin, changes code under a trainer
+        kube.core.patch_namespaced_config_map(cm.metadata.name, namespace, {"data": {"x": "y"}})
+    assert err.value.status == 422 and "field is immutable" in err.value.body
+    for name in ("one", "two"):
+        (rj,) = [r for r in rayjobs(kube, namespace) if r["metadata"]["name"] == name]
+        vols = rj["spec"]["rayClusterSpec"]["workerGroupSpecs"][0]["template"]["spec"]["volumes"]
+        assert next(v for v in vols if v["name"] == "finetune-runtime")["configMap"]["name"] == cm.metadata.name
+    kube.custom.delete_namespaced_custom_object(G, V, namespace, P, "one")
+    time.sleep(5)
+    assert kube.core.read_namespaced_config_map(cm.metadata.name, namespace)  # still used by "two"
+    kube.custom.delete_namespaced_custom_object(G, V, namespace, P, "two")
+
+    def gone() -> bool:
+        try:
+            kube.core.read_namespaced_config_map(cm.metadata.name, namespace)
+            return False
+        except ApiException as e:
+            return e.status == 404
+
+    wait_for("runtime ConfigMap collected with its last job", gone, timeout=90)
+
+
+def test_forged_token_flood_costs_no_leadership_and_no_genuine_report(kube: Kube, namespace: str,
+                                                                      operator: OperatorProcess) -> None:
+    """Scaled down from benchmarks/bench_progress_flood.py (1000/s for 30 s with 20 jobs): forged tokens
+    that look plausible (JWT, a real job's audience, not expired) at 300/s for 8 s while 3 jobs report
+    every second. Every genuine report is accepted, no forged one is, TokenReviews stay within the rate
+    limit, and the leader keeps renewing its Lease."""
+    import asyncio
+    import re
+    import threading
+
+    from tests.integration.flood import flood, lease_sampler
+
+    names = ["fa", "fb", "fc"]
+    for n in names:
+        create(kube, namespace, ftj(n))
+    jobs = []
+    for n in names:
+        pod = wait_for(f"{n} worker pod", lambda n=n: (p := worker_pods(kube, namespace, n)) and p[0], timeout=90)
+        jobs.append((namespace, n, _token(kube, namespace, pod, f"finetune.dev/progress/{namespace}/{n}")))
+
+    def reviews() -> float:
+        m = re.search(r"^finetune_progress_token_reviews_total ([0-9.e+]+)$", operator.metrics(), re.M)
+        return float(m.group(1)) if m else 0.0
+
+    coordination = client.CoordinationV1Api(kube.api_client)
+    samples: list[tuple[float, str, str]] = []
+    stop = threading.Event()
+    sampler = threading.Thread(target=lease_sampler, args=(
+        lambda: coordination.read_namespaced_lease("finetune-operator-leader", LEASE_NS), stop, samples))
+    before = reviews()
+    sampler.start()
+    try:
+        result = asyncio.run(flood(operator.url, jobs, forged_per_second=300, seconds=8, report_interval=1.0))
+    finally:
+        stop.set()
+        sampler.join()
+    assert result.genuine[202] == result.genuine_sent, result.genuine
+    assert result.forged[202] == 0 and set(result.forged) <= {401, 429}, result.forged
+    assert result.forged_sent >= 1000, result.forged_sent  # the flood really happened
+    # Without the defences every forged request would have cost a TokenReview.
+    made = reviews() - before
+    assert made <= 100 + 50 * result.seconds + len(jobs) * 2, (made, result.forged)
+    assert {holder for _, holder, _ in samples} == {operator.identity}
+    assert operator.proc is not None and operator.proc.poll() is None and operator.readyz() == 200
+    renewals = {renew for _, _, renew in samples}
+    assert len(renewals) >= 1 + int(result.seconds // 10), samples  # renewed every 10 s during the flood
+    for ns, n, _ in jobs:
+        step = result.last_step[f"{ns}/{n}"]
+        wait_for(f"{n}'s last genuine step in status", lambda n=n, step=step:
+                 status(kube, namespace, n).get("training", {}).get("step") == step, timeout=30)

@@ -4,11 +4,34 @@ from __future__ import annotations
 
 import json
 import socket
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+STACK_PACKAGES = ("ray", "torch", "transformers", "pydantic", "PyYAML", "pyarrow", "safetensors", "tokenizers",
+                  "datasets", "accelerate", "numpy")
+
+
+def stack_line() -> str:
+    """The Python and package versions this test run uses (the two stacks print different lines)."""
+    from importlib import metadata
+
+    def version(name: str) -> str:
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            return "absent"
+
+    py = ".".join(str(p) for p in sys.version_info[:3])
+    return f"Python {py} ({sys.executable}); " + ", ".join(f"{n} {version(n)}" for n in STACK_PACKAGES)
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    terminalreporter.write_line(f"training stack: {stack_line()}")
+
 
 TEXTS = [f"Question: What is {a} plus {b}?\nAnswer: {a} + {b} = {a + b}" for a in range(10, 40) for b in (11, 57)]
 

@@ -54,9 +54,18 @@ def test_read_records_file_kinds(tmp_path: Path, kind: str) -> None:
     assert D.read_records(spec(src)) == recs
 
 
-def test_hub_dataset_without_datasets_package_is_a_clear_error() -> None:
-    with pytest.raises(D.DataError, match="`datasets` package is not installed"):
+def test_hub_dataset_that_cannot_be_loaded_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Our pins lack `datasets` (the DLC has it): each stack checks its own branch, both one DataError line."""
+    import importlib.util
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # no hub here: fail at once instead of retrying
+    if importlib.util.find_spec("datasets") is None:
+        expected = "`datasets` package is not installed"
+    else:
+        expected = "could not load Hugging Face dataset 'someorg/somedata'"
+    with pytest.raises(D.DataError, match=expected) as e:
         D.read_records(spec("someorg/somedata"))
+    assert "\n" not in str(e.value)
 
 
 def test_missing_path_and_bad_json(tmp_path: Path) -> None:
@@ -130,17 +139,43 @@ def test_missing_field_names_the_spec_field(tokenizer: Any) -> None:
 # ------------------------------------------------------------------------------- packing and split
 
 
-def test_packing_cuts_full_sequences_and_keeps_masks_aligned() -> None:
+def test_packing_cuts_full_sequences_with_per_record_positions() -> None:
     exs = [D.Example([1, 2, 3], [IGNORE, 2, 3]), D.Example([4, 5, 6, 7], [IGNORE, IGNORE, 6, 7]),
            D.Example([8, 9], [8, 9])]
-    ids, labels = D.pack(exs, 4)
+    ids, labels, pos = D.pack(exs, 4)
     assert ids == [[1, 2, 3, 4], [5, 6, 7, 8]]  # the trailing [9] is dropped
-    assert labels == [[IGNORE, 2, 3, IGNORE], [IGNORE, 6, 7, 8]]
+    # Each record's first label is ignored (it would be predicted from the previous record).
+    assert labels == [[IGNORE, 2, 3, IGNORE], [IGNORE, 6, 7, IGNORE]]
+    # Positions restart at every record, and at the start of a sequence (record 2 continued).
+    assert pos == [[0, 1, 2, 0], [0, 1, 2, 0]]
 
 
 def test_packing_a_dataset_shorter_than_one_sequence_pads_it() -> None:
-    ids, labels = D.pack([D.Example([1, 2], [1, 2])], 4)
-    assert len(ids[0]) == 4 and labels == [[1, 2, IGNORE, IGNORE]]
+    ids, labels, pos = D.pack([D.Example([1, 2], [1, 2])], 4)
+    assert len(ids[0]) == 4 and labels == [[IGNORE, 2, IGNORE, IGNORE]] and pos == [[0, 1, 0, 0]]
+
+
+def test_packed_record_sees_only_itself(tiny_model_dir: Path) -> None:
+    """The runtime's packed inputs (flattened micro-batch, per-record position ids): the logits of a
+    record inside a pack equal those of the record alone."""
+    import torch
+    from finetune_training.loop import Trainer
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    records = [[5 + (7 * i + j) % 200 for j in range(n)] for i, n in enumerate((11, 17, 9, 23, 20))]
+    seqs = D.to_sequences([D.Example(r, r) for r in records], 40, True, 0)
+    assert len(seqs) == 2
+    batch = Trainer._batch(type("T", (), {"device": torch.device("cpu")})(), seqs, [0, 1])  # type: ignore[arg-type]
+    assert batch["input_ids"].shape == (1, 80) and "attention_mask" not in batch
+    with torch.no_grad():
+        packed = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits[0]
+        # Record 3 (23 tokens) starts at offset 37 of the flat pack; it is cut at 40 and continues in row 2.
+        alone = model(input_ids=torch.tensor([records[1]])).logits[0]
+        assert torch.allclose(packed[11:28], alone, atol=1e-5), (packed[11:28] - alone).abs().max()
+        alone = model(input_ids=torch.tensor([records[3][3:]])).logits[0]
+        assert torch.allclose(packed[40:60], alone, atol=1e-5)
 
 
 def test_no_packing_pads_each_record_with_attention_mask() -> None:
@@ -170,6 +205,18 @@ def test_prepare_end_to_end(tmp_path: Path, tokenizer: Any) -> None:
     assert pd.stats["train_records"] == 54 and pd.stats["eval_records"] == 6
     assert pd.train.input_ids.shape[1] == 32 and pd.eval is not None
     assert 0 < pd.stats["train_target_tokens"] < pd.train.input_ids.numel()
+    assert pd.train.position_ids is not None and pd.train.attention_mask is None
+
+
+def test_records_truncated_away_are_counted(tmp_path: Path, tokenizer: Any) -> None:
+    recs = prompt_completion_records(20)
+    for r in recs[:5]:
+        r["prompt"] = "Question: " + "What is one plus one? " * 20  # the completion falls past 32 tokens
+    src = write_jsonl(tmp_path / "pc.jsonl", recs)
+    pd = D.prepare(spec(src, format="promptCompletion", eval_fraction=0.0), tokenizer, 32, False, seed=1)
+    assert pd.stats["train_records_truncated_away"] == 5
+    assert D.untrained_after_truncation([D.Example([1, 2, 3], [IGNORE, IGNORE, 3])], 2) == 1
+    assert D.untrained_after_truncation([D.Example([1, 2, 3], [IGNORE, 2, 3])], 2) == 0
 
 
 # ------------------------------------------------------------------------------------- batch order

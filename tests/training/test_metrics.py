@@ -21,10 +21,14 @@ def test_flops_per_token_formula() -> None:
 
 def test_qwen25_15b_shape_and_mfu_on_g6() -> None:
     shape = shape_from_config(QWEN25_15B)
-    # 1.54 B total minus the 151936 x 1536 embedding (tied LM head) = ~1.31 B non-embedding parameters
-    assert shape.non_embedding_params == pytest.approx(1.31e9, rel=0.01)
+    # ~1.31 B non-embedding parameters, plus the LM head's matmul (151936 x 1536): tied to the embedding
+    # table, but it still multiplies every token's hidden state by it.
+    head = 151936 * 1536
+    assert shape.non_embedding_params - head == pytest.approx(1.31e9, rel=0.01)
     fpt = shape.flops_per_token(2048)
     assert fpt == pytest.approx(6 * shape.non_embedding_params + 12 * 28 * 12 * 128 * 2048)
+    without_head = fpt - 6 * head
+    assert 1 - without_head / fpt == pytest.approx(0.136, abs=0.001)  # what leaving it out cost
     g6 = lookup("g6.12xlarge")
     assert g6 is not None
     # 8 L4s at 121 TFLOP/s; 10k tokens/s
@@ -36,7 +40,12 @@ def test_model_shape_matches_config_formula(tiny_model_dir: Path) -> None:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    assert model.config.tie_word_embeddings
     assert model_shape(model) == shape_from_config(model.config)
+    emb = model.get_input_embeddings().weight.numel()
+    matmul = sum(p.numel() for p in model.parameters())  # parameters() lists the tied table once
+    assert model_shape(model).non_embedding_params == matmul  # the tied head counts, the lookup does not
+    assert emb > 0
 
 
 @pytest.mark.parametrize(

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 from finetune_operator.devcluster import build, gen_tools, nodes, pki
-from finetune_operator.devcluster.versions import COMPONENTS, KUBERNETES_VERSION
+from finetune_operator.devcluster.versions import ALL_COMPONENTS, KUBERNETES_VERSION
 
 TOOLS = Path(gen_tools.__file__).parent / "tools"
 
@@ -31,13 +31,17 @@ def test_staging_replaces_keep_only_required_staging_modules() -> None:
     ]
 
 
-@pytest.mark.parametrize("name", sorted(COMPONENTS), ids=sorted(COMPONENTS))
+@pytest.mark.parametrize("name", sorted(ALL_COMPONENTS), ids=sorted(ALL_COMPONENTS))
 def test_committed_wrapper_module_matches_versions(name: str) -> None:
-    comp = COMPONENTS[name]
+    comp = ALL_COMPONENTS[name]
     gomod = (TOOLS / name / "go.mod").read_text()
-    assert f"\t{comp.module} {comp.version}" in gomod
-    for pkg in comp.binaries:  # `tool pkg` or a line of a `tool (...)` block
-        assert re.search(rf"^(tool |\t){re.escape(pkg)}$", gomod, re.M), pkg
+    assert re.search(rf"^(require |\t){re.escape(comp.module)} {re.escape(comp.version)}( // indirect)?$", gomod, re.M)
+    own = f"finetune.dev/devcluster/tools/{name}/"
+    for pkg in comp.binaries:  # `tool pkg` or a line of a `tool (...)` block; or a main package of our own
+        if pkg.startswith(own):
+            assert (TOOLS / name / pkg.removeprefix(own) / "main.go").is_file(), pkg
+        else:
+            assert re.search(rf"^(tool |\t){re.escape(pkg)}$", gomod, re.M), pkg
     assert (TOOLS / name / "go.sum").stat().st_size > 0
 
 

@@ -9,7 +9,14 @@ import pytest
 import yaml
 from finetune_operator.api.validation import SpecError, parse_job
 from finetune_operator.render.config import RenderConfig, progress_audience
-from finetune_operator.render.rayjob import render_children, render_rayjob, to_yaml
+from finetune_operator.render.rayjob import (
+    is_shared,
+    render_children,
+    render_rayjob,
+    render_runtime_config_map,
+    runtime_config_map_name,
+    to_yaml,
+)
 
 from tests.builders import JobDoc
 
@@ -81,7 +88,7 @@ def test_seed_setup_g6_12xlarge_with_efa() -> None:
     e = env(c)
     assert e["FI_PROVIDER"] == "efa" and e["NCCL_NET_PLUGIN"] == "ofi" and e["NCCL_SOCKET_IFNAME"] == "eth0"
     assert "FI_EFA_USE_DEVICE_RDMA" not in e  # g6 has no GPUDirect RDMA
-    assert e["FINETUNE_REQUIRE_EFA"] == "1"
+    assert e["FINETUNE_REQUIRE_EFA"] == "1" and e["NCCL_NET"] == "Libfabric"  # NCCL itself refuses to fall back
     spec = w["template"]["spec"]
     shm = next(v for v in spec["volumes"] if v["name"] == "dshm")
     assert shm["emptyDir"]["medium"] == "Memory"
@@ -93,7 +100,7 @@ def test_seed_setup_g6_12xlarge_with_efa() -> None:
     hc = container(head)
     assert "nvidia.com/gpu" not in hc["resources"]["limits"]
     assert env(hc)["NVIDIA_VISIBLE_DEVICES"] == "void"
-    assert rj["spec"]["shutdownAfterJobFinishes"] is True
+    assert rj["spec"]["shutdownAfterJobFinishes"] is False  # deletionRules instead (see test_cleanup_rules)
     assert rj["spec"]["backoffLimit"] == 2
     assert "rayClusterSpec" in rj["spec"] and "clusterSelector" not in rj["spec"]
 
@@ -121,6 +128,7 @@ def test_instance_table(instance: str, gpus: str, efa: str, cpu: str, memory: st
     )
     rdma = env(c).get("FI_EFA_USE_DEVICE_RDMA")
     assert rdma == ("1" if instance.startswith("p") else None)
+    assert "NCCL_NET" not in env(c)  # requireEFA off: NCCL may fall back, the probe reports it
 
 
 def test_efa_off_has_no_efa_resources_or_env() -> None:
@@ -128,7 +136,7 @@ def test_efa_off_has_no_efa_resources_or_env() -> None:
     limits = c["resources"]["limits"]
     assert "vpc.amazonaws.com/efa" not in limits and "hugepages-2Mi" not in limits
     e = env(c)
-    assert "FI_PROVIDER" not in e and "NCCL_NET_PLUGIN" not in e
+    assert "FI_PROVIDER" not in e and "NCCL_NET_PLUGIN" not in e and "NCCL_NET" not in e
     assert "securityContext" not in c
 
 
@@ -199,10 +207,13 @@ def test_children_are_labelled_and_owned() -> None:
     doc["metadata"]["uid"] = "u-1"
     for obj in render_children(parse_job(doc), FAKE_RUNTIME, CFG):
         meta = obj["metadata"]
-        assert meta["labels"]["finetune.dev/job"] == "owned"
         assert meta["labels"]["app.kubernetes.io/managed-by"] == "finetune-operator"
         (ref,) = meta["ownerReferences"]
-        assert ref["uid"] == "u-1" and ref["controller"] is True and ref["kind"] == "FinetuneJob"
+        assert ref["uid"] == "u-1" and ref["kind"] == "FinetuneJob"
+        if is_shared(obj):  # the runtime ConfigMap: one owner among the jobs that share it
+            assert ref["controller"] is False and meta["labels"]["finetune.dev/runtime"]
+        else:
+            assert meta["labels"]["finetune.dev/job"] == "owned" and ref["controller"] is True
 
 
 def test_config_map_carries_the_resolved_job() -> None:
@@ -211,3 +222,83 @@ def test_config_map_carries_the_resolved_job() -> None:
     reparsed = parse_job(job)
     assert reparsed.spec == parse_job(JobDoc(name="cfg").obj()).spec
     assert job["spec"]["training"]["fsdp"]["shardingStrategy"] == "hybrid"  # defaults are resolved
+
+
+CLEANUP = [
+    ("defaults", {}, {"SUCCEEDED": 0, "FAILED": 900, "Failed": 900}),
+    ("ttl", {"spec.ttlSecondsAfterFinished": 60}, {"SUCCEEDED": 60, "FAILED": 900, "Failed": 900}),
+    ("failure-ttl", {"spec.ttlSecondsAfterFailure": 0}, {"SUCCEEDED": 0, "FAILED": 0, "Failed": 0}),
+    ("failure-never-shorter", {"spec.ttlSecondsAfterFinished": 3600, "spec.ttlSecondsAfterFailure": 60},
+     {"SUCCEEDED": 3600, "FAILED": 3600, "Failed": 3600}),
+]
+
+
+@pytest.mark.parametrize(("sets", "ttls"), [c[1:] for c in CLEANUP], ids=[c[0] for c in CLEANUP])
+def test_cleanup_rules_keep_a_failed_jobs_pods_longer(sets: dict[str, Any], ttls: dict[str, int]) -> None:
+    doc = JobDoc()
+    for k, v in sets.items():
+        doc.set(k, v)
+    spec = rayjob_for(doc.obj())["spec"]
+    # KubeRay v1.6: deletionRules exclude shutdownAfterJobFinishes and the global TTL (utils/validation.go).
+    assert spec["shutdownAfterJobFinishes"] is False and "ttlSecondsAfterFinished" not in spec
+    rules = spec["deletionStrategy"]["deletionRules"]
+    got = {r["condition"].get("jobStatus") or r["condition"]["jobDeploymentStatus"]: r["condition"]["ttlSeconds"]
+           for r in rules}
+    assert got == ttls
+    assert {r["policy"] for r in rules} == {"DeleteCluster"}
+
+
+def test_suspended_job_uses_shutdown_after_finish() -> None:
+    # KubeRay refuses to suspend a RayJob with shutdownAfterJobFinishes false.
+    spec = rayjob_for(JobDoc().set("spec.suspend", True).set("spec.ttlSecondsAfterFinished", 30).obj())["spec"]
+    assert spec["shutdownAfterJobFinishes"] is True and spec["ttlSecondsAfterFinished"] == 30
+    assert "deletionStrategy" not in spec
+
+
+def test_submitter_pod_is_small_labelled_and_uses_a_cpu_image() -> None:
+    doc = JobDoc("sub").set("spec.cluster.tolerations", [{"key": "team", "operator": "Exists"}])
+    doc.set("spec.cluster.head.nodeSelector", {"pool": "cpu"})
+    sub = rayjob_for(doc.obj())["spec"]["submitterPodTemplate"]
+    assert sub["metadata"]["labels"]["finetune.dev/job"] == "sub"
+    assert sub["metadata"]["labels"]["app.kubernetes.io/component"] == "submitter"
+    pod = sub["spec"]
+    assert pod["restartPolicy"] == "Never"
+    assert pod["tolerations"] == [{"key": "team", "operator": "Exists"}] and pod["nodeSelector"] == {"pool": "cpu"}
+    (c,) = pod["containers"]
+    assert c["name"] == "ray-job-submitter" and "command" not in c  # KubeRay fills in `ray job submit`
+    assert c["image"] == "docker.io/rayproject/ray:2.58.0-cpu"
+    assert c["resources"]["limits"] == {"cpu": "1", "memory": "1Gi"}
+    other = rayjob_for(doc.obj(), RenderConfig(submitter_image="registry.example/ray-slim:{rayVersion}"))
+    assert other["spec"]["submitterPodTemplate"]["spec"]["containers"][0]["image"] == "registry.example/ray-slim:2.58.0"
+
+
+def test_head_has_memory_backed_dev_shm() -> None:
+    head = rayjob_for(JobDoc().obj())["spec"]["rayClusterSpec"]["headGroupSpec"]
+    spec = head["template"]["spec"]
+    shm = next(v for v in spec["volumes"] if v["name"] == "dshm")
+    assert shm["emptyDir"] == {"medium": "Memory", "sizeLimit": "4Gi"}  # a quarter of the 16Gi head
+    assert {"name": "dshm", "mountPath": "/dev/shm"} in container(head)["volumeMounts"]
+
+
+def test_runtime_config_map_is_content_addressed_immutable_and_shared() -> None:
+    a = parse_job(JobDoc("a").set("metadata.namespace", "ml").set("metadata.uid", "uid-a").obj())
+    b = parse_job(JobDoc("b").set("metadata.namespace", "ml").set("metadata.uid", "uid-b").obj())
+    ra, rb = (render_runtime_config_map(j, FAKE_RUNTIME) for j in (a, b))
+    assert ra["metadata"]["name"] == rb["metadata"]["name"] == runtime_config_map_name(FAKE_RUNTIME)
+    assert ra["metadata"]["name"].startswith("finetune-runtime-") and ra["immutable"] is True
+    assert ra["data"] == rb["data"]
+    assert "finetune.dev/job" not in ra["metadata"]["labels"] and is_shared(ra)
+    (owner,) = ra["metadata"]["ownerReferences"]
+    assert owner["uid"] == "uid-a" and owner["controller"] is False  # one owner among several
+    changed = {**FAKE_RUNTIME, "finetune_training/__init__.py": "# runtime v2\n"}
+    assert runtime_config_map_name(changed) != runtime_config_map_name(FAKE_RUNTIME)
+    vol = next(v for v in workers(rayjob_for(JobDoc().obj()))["template"]["spec"]["volumes"] if v["name"] == "finetune-runtime")
+    assert vol["configMap"]["name"] == runtime_config_map_name(FAKE_RUNTIME)
+
+
+def test_progress_ca_reaches_every_ray_container() -> None:
+    cfg = RenderConfig(progress_url="https://op.svc:8080", progress_ca="-----BEGIN CERTIFICATE-----\nX\n")
+    rj = rayjob_for(JobDoc().obj(), cfg)
+    for group in (rj["spec"]["rayClusterSpec"]["headGroupSpec"], workers(rj)):
+        assert env(container(group))["FINETUNE_PROGRESS_CA"].startswith("-----BEGIN CERTIFICATE-----")
+    assert "FINETUNE_PROGRESS_CA" not in env(container(workers(rayjob_for(JobDoc().obj(), CFG))))

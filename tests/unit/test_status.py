@@ -113,6 +113,24 @@ def test_progress_fields_are_carried_over() -> None:
     assert c["status"] == "False" and c["reason"] == "TransportSocket"
 
 
+@pytest.mark.parametrize(
+    ("network", "reason"),
+    [
+        ({"transport": "efa", "healthy": True}, "Efa"),
+        ({"transport": "intra-node", "healthy": True}, "TransportIntraNode"),
+        ({"transport": "mixed:efa,socket", "healthy": False}, "TransportMixedEfaSocket"),
+        ({"transport": "none", "healthy": False, "message": "requireEFA (caught by NCCL): NCCL_NET=Libfabric ..."},
+         "EfaRequiredNcclRefused"),
+        ({"transport": "socket", "healthy": False, "message": "requireEFA (caught by the probe): NCCL is not ..."},
+         "EfaRequiredProbeFailed"),
+    ],
+    ids=["efa", "intra-node", "mixed", "require-efa-nccl", "require-efa-probe"],
+)
+def test_network_condition_reason(network: dict[str, Any], reason: str) -> None:
+    st = derive(Observed(rayjob=rayjob("Running", "RUNNING")), prev={"network": network})
+    assert cond(st, "NetworkHealthy")["reason"] == reason
+
+
 def test_suspend() -> None:
     assert derive(Observed(), suspend=True)["phase"] == "Suspended"
     assert derive(Observed(rayjob=rayjob("Suspending")), suspend=True)["message"] == "suspending"

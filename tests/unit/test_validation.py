@@ -33,7 +33,6 @@ BAD = [
         "spec.cluster.workers.gpusPerWorker",
         "do not fit g6.12xlarge (4 x L4)",
     ),
-    ("unknown-instance", JobDoc().set("spec.cluster.instanceType", "g9.huge"), "spec.cluster.instanceType", "unknown instance type"),
     (
         "efa-on-cpu-instance",
         JobDoc().set("spec.cluster.instanceType", "m5.2xlarge").set("spec.cluster.workers.gpusPerWorker", 0),

@@ -3,7 +3,8 @@
 FILE is the whole FinetuneJob document (YAML or JSON) the operator puts in the job's ConfigMap. The
 driver connects to the running Ray cluster (`ray.init()` picks up RAY_ADDRESS), runs the TorchTrainer
 and prints the final summary (the shape of the CR status). Exit status 0 on success, 1 on failure,
-2 on an invalid document. The environment is described in `finetune_training.environment`.
+2 on an invalid document, 3 when the image's Python stack is outside the supported versions
+(`finetune_training.stackcheck`; checked first, before torch or Ray is imported). The environment is described in `finetune_training.environment`.
 """
 
 from __future__ import annotations
@@ -14,6 +15,13 @@ import sys
 
 
 def main(argv: list[str] | None = None) -> int:
+    from .stackcheck import UnsupportedStack, check, describe
+
+    try:
+        print(f"finetune_training: {describe(check())}", file=sys.stderr, flush=True)
+    except UnsupportedStack as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 3
     from finetune_operator.api.status import Phase
     from pydantic import ValidationError
 

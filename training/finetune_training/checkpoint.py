@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import os
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -73,14 +74,116 @@ def read_state(path: str | Path) -> dict[str, Any]:
 
 
 def is_complete(path: str | Path) -> bool:
-    p = Path(path)
-    if not (p / ".metadata").is_file() or not (p / STATE_FILE).is_file():
-        return False
+    return not missing_files(str(path))
+
+
+def missing_files(uri: str) -> list[str]:
+    """What a checkpoint directory (local path or s3://) lacks to be complete; [] when complete."""
+    from finetune_operator.api.storage import is_remote
+
+    if is_remote(uri):
+        import pyarrow.fs as pafs
+
+        from .storage import filesystem
+
+        fs, base = filesystem(uri)
+        try:
+            names = {os.path.basename(i.path) for i in fs.get_file_info(pafs.FileSelector(base))}
+        except (OSError, FileNotFoundError):
+            return ["the directory"]
+
+        def read_world() -> int:
+            with fs.open_input_stream(f"{base}/{STATE_FILE}") as f:
+                return int(json.loads(f.read()).get("world_size", 1))
+    else:
+        p = Path(uri)
+        if not p.is_dir():
+            return ["the directory"]
+        names = {e.name for e in p.iterdir()}
+
+        def read_world() -> int:
+            return int(read_state(p).get("world_size", 1))
+    missing = [n for n in (".metadata", STATE_FILE) if n not in names]
+    if STATE_FILE in names:
+        try:
+            world = read_world()
+        except (ValueError, OSError):
+            return [*missing, f"a readable {STATE_FILE}"]
+        missing += [f"__{r}_0.distcp" for r in range(world) if f"__{r}_0.distcp" not in names]
+    return missing
+
+
+class ResumeError(RuntimeError):
+    """Ray restored a checkpoint but nothing usable is behind it: refusing to restart at step 0."""
+
+
+@dataclass(frozen=True)
+class ResumeChoice:
+    step: int
+    uri: str | None  # None: start at step 0
+    why: str
+
+
+def choose_resume(pointer: dict[str, Any] | None, checkpoints_uri: str) -> ResumeChoice:
+    """Pick the checkpoint to resume from: the newer of Ray's (if its checkpoint is complete) and the
+    newest complete one found by always scanning `checkpoints_uri`; `why` says which and why.
+
+    Raises ResumeError when Ray handed over a checkpoint (so this run had progressed) but neither it nor
+    the scan yields a complete checkpoint.
+    """
+    notes: list[str] = []
+    candidates: list[tuple[int, str, str]] = []
+    if pointer is not None:
+        uri = str(pointer.get("uri"))
+        gaps = missing_files(uri) if pointer.get("step") is not None else ["pointer.json"]
+        if gaps:
+            notes.append(f"Ray's checkpoint points to {uri}, which lacks {', '.join(gaps[:4])}")
+        else:
+            candidates.append((int(pointer["step"]), uri, "Ray's checkpoint"))
+            notes.append(f"Ray's checkpoint: step {pointer['step']}")
+    hit = latest_uri(checkpoints_uri)
+    if hit is not None:
+        candidates.append((hit[0], hit[1], "storage scan"))
+        notes.append(f"storage scan of {checkpoints_uri}: step {hit[0]}")
+    else:
+        notes.append(f"no complete checkpoint in {checkpoints_uri}")
+    if not candidates:
+        if pointer is not None:
+            raise ResumeError(f"cannot resume: {'; '.join(notes)}; refusing to restart at step 0 "
+                              "(run with --fresh / delete the run's storage to start over)")
+        return ResumeChoice(0, None, f"{'; '.join(notes)}: starting at step 0")
+    step, uri, source = max(candidates)
+    return ResumeChoice(step, uri, f"{'; '.join(notes)} -> step {step} from the {source} (newest complete)")
+
+
+def load_from(uri: str, model: Any, optimizer: Any, local_rank: int, staging: str | Path) -> dict[str, Any]:
+    """Collective `load` from a local/PVC path, or from s3:// through one download per node.
+
+    For S3 local rank 0 copies the checkpoint to node-local staging while the node's other ranks wait;
+    every rank reads from there; then local rank 0 deletes the copy (a barrier first, so nobody reads a
+    deleted file).
+    """
+    import shutil
+
+    import torch.distributed as dist
+    from finetune_operator.api.storage import is_remote
+
+    if not is_remote(uri):
+        return load(uri, model, optimizer)
+    from .storage import download_prefix
+
+    root = Path(staging) / "resume"
+    if local_rank == 0:
+        local = download_prefix(uri, root)
+    dist.barrier()
+    if local_rank != 0:
+        local = download_prefix(uri, root)  # already complete: returns the path, copies nothing
     try:
-        world = int(read_state(p).get("world_size", 1))
-    except (ValueError, OSError):
-        return False
-    return all((p / f"__{r}_0.distcp").is_file() for r in range(world))
+        return load(local, model, optimizer)
+    finally:
+        dist.barrier()
+        if local_rank == 0:
+            shutil.rmtree(root, ignore_errors=True)
 
 
 def list_checkpoints(run_dir: str | Path) -> list[tuple[int, Path]]:

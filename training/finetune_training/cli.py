@@ -82,6 +82,13 @@ def prepare_document(path: str, *, workers: int | None = None, max_steps: int | 
 
 
 def run_command(args: argparse.Namespace) -> int:
+    from .stackcheck import UnsupportedStack, check
+
+    try:
+        check()
+    except UnsupportedStack as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 3
     from pydantic import ValidationError
 
     try:

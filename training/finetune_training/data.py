@@ -11,9 +11,13 @@ Formats (spec.dataset.format):
   with the exported tokenizer so inference sees the same layout.
 
 Packing (spec.training.packing, default on) concatenates records and cuts full sequences of
-`sequenceLength` tokens (the last partial sequence is dropped unless it is the only one); attention
-crosses record boundaries (plain packing, no per-document masks). Without packing each record is
-truncated/padded to `sequenceLength` with an attention mask.
+`sequenceLength` tokens (the last partial sequence is dropped unless it is the only one). Each packed
+sequence carries per-record `position_ids` (0, 1, … restarting at every record and at every sequence
+start), from which transformers builds a block-diagonal causal mask (SDPA/eager) or calls the varlen
+flash-attention kernel: a record never attends to another one. The first label of every record is
+ignored (it would be predicted from the previous record). Without packing each record is
+truncated/padded to `sequenceLength` with an attention mask; records left with no trained token by the
+truncation are counted (`stats`) so the loop can warn about them.
 
 Every rank builds the same data deterministically (shuffle with spec.training.seed), so no data is
 broadcast; the global step alone says where in the data a run is (see `batch_indices`).
@@ -114,7 +118,11 @@ def _read_hub(spec: DatasetSpec) -> list[dict[str, Any]]:
             "package is not installed in the training image; add it to spec.cluster.pip or point the source "
             "at .jsonl/.json/.parquet files (s3://, pvc:// or a path)"
         ) from None
-    ds = datasets.load_dataset(spec.source, split=spec.split)
+    try:
+        ds = datasets.load_dataset(spec.source, split=spec.split)
+    except Exception as e:  # unknown id, hub unreachable, gated, no such split: one line, not datasets' traceback
+        raise DataError(f"spec.dataset.source: could not load Hugging Face dataset {spec.source!r} "
+                        f"(split {spec.split!r}): {type(e).__name__}: {e}") from None
     return [dict(r) for r in ds]
 
 
@@ -206,39 +214,60 @@ def encode(records: list[dict[str, Any]], spec: DatasetSpec, tokenizer: Any) -> 
 
 @dataclass
 class Sequences:
-    """Fixed-length training sequences: `input_ids`, `labels` (-100 = no loss), optional attention mask."""
+    """Fixed-length training sequences: `input_ids`, `labels` (-100 = no loss), and either an attention
+    mask (padded records) or per-record position ids (packed records)."""
 
     input_ids: Any  # LongTensor [N, T]
     labels: Any  # LongTensor [N, T]
     attention_mask: Any | None = None  # LongTensor [N, T] when padded
+    position_ids: Any | None = None  # LongTensor [N, T] when packed
 
     def __len__(self) -> int:
         return int(self.input_ids.shape[0])
 
 
-def pack(examples: list[Example], seq_len: int) -> tuple[list[list[int]], list[list[int]]]:
+def pack(examples: list[Example], seq_len: int) -> tuple[list[list[int]], list[list[int]], list[list[int]]]:
+    """(input ids, labels, position ids) of full `seq_len` sequences cut from the concatenated records.
+
+    Position ids restart at 0 at every record and at every sequence start (so a record cut across two
+    sequences continues as a new document); each record's first label is ignored.
+    """
     flat_ids: list[int] = []
     flat_labels: list[int] = []
+    flat_pos: list[int] = []
     for ex in examples:
+        if not ex.input_ids:
+            continue
         flat_ids.extend(ex.input_ids)
-        flat_labels.extend(ex.labels)
+        flat_labels.extend([IGNORE, *ex.labels[1:]])
+        flat_pos.extend(range(len(ex.input_ids)))
     n = len(flat_ids) // seq_len
     ids = [flat_ids[i * seq_len : (i + 1) * seq_len] for i in range(n)]
     labels = [flat_labels[i * seq_len : (i + 1) * seq_len] for i in range(n)]
+    pos = [flat_pos[i * seq_len : (i + 1) * seq_len] for i in range(n)]
     if n == 0 and flat_ids:  # a dataset shorter than one sequence still yields one (padded) sequence
         pad = seq_len - len(flat_ids)
         ids = [flat_ids + [flat_ids[-1]] * pad]
         labels = [flat_labels + [IGNORE] * pad]
-    return ids, labels
+        pos = [flat_pos + [0] * pad]  # the padding is a document of its own, with no labels
+    for row in pos:
+        if row and row[0] != 0:  # a record continued from the previous sequence
+            off = row[0]
+            for j, p in enumerate(row):
+                if p < off or (j and p == 0):
+                    break
+                row[j] = p - off
+    return ids, labels, pos
 
 
 def to_sequences(examples: list[Example], seq_len: int, packing: bool, pad_id: int) -> Sequences:
     import torch
 
     if packing:
-        ids, labels = pack(examples, seq_len)
+        ids, labels, pos = pack(examples, seq_len)
         return Sequences(torch.tensor(ids, dtype=torch.long).reshape(-1, seq_len),
-                         torch.tensor(labels, dtype=torch.long).reshape(-1, seq_len))
+                         torch.tensor(labels, dtype=torch.long).reshape(-1, seq_len),
+                         position_ids=torch.tensor(pos, dtype=torch.long).reshape(-1, seq_len))
     rows, lrows, mrows = [], [], []
     for ex in examples:
         i, lab = ex.input_ids[:seq_len], ex.labels[:seq_len]
@@ -249,6 +278,14 @@ def to_sequences(examples: list[Example], seq_len: int, packing: bool, pad_id: i
     return Sequences(torch.tensor(rows, dtype=torch.long).reshape(-1, seq_len),
                      torch.tensor(lrows, dtype=torch.long).reshape(-1, seq_len),
                      torch.tensor(mrows, dtype=torch.long).reshape(-1, seq_len))
+
+
+def untrained_after_truncation(examples: list[Example], seq_len: int) -> int:
+    """Records with trained tokens of which none is left once cut to `seq_len` (unpacked data)."""
+    def trained(labels: list[int]) -> bool:
+        return any(lab != IGNORE for lab in labels[1:])  # label 0 is never predicted
+
+    return sum(1 for ex in examples if trained(ex.labels) and not trained(ex.labels[:seq_len]))
 
 
 def split_records(records: list[dict[str, Any]], eval_fraction: float, seed: int,
@@ -289,6 +326,8 @@ def prepare(spec: DatasetSpec, tokenizer: Any, seq_len: int, packing: bool, seed
         "eval_sequences": len(ev) if ev is not None else 0,
         "train_target_tokens": int((train.labels != IGNORE).sum()),
     }
+    if not packing:
+        stats["train_records_truncated_away"] = untrained_after_truncation(train_ex, seq_len)
     return PreparedData(train, ev, stats)
 
 

@@ -52,7 +52,15 @@ def build_trainer(job: FinetuneJob, *, storage_uri: str, name: str, max_failures
         checkpoint_config=CheckpointConfig(num_to_keep=spec.training.checkpoint.keep),
     )
     return TorchTrainer(train_func, train_loop_config=asdict(cfg), scaling_config=scaling, run_config=run,
-                        torch_config=TorchConfig(backend="nccl" if gpus > 0 else "gloo"))
+                        torch_config=TorchConfig(backend=process_group_backend(job)))
+
+
+def process_group_backend(job: FinetuneJob) -> str:
+    """gloo on CPU; NCCL on GPU, plus gloo for CPU tensors when FSDP offloads parameters to the CPU (the
+    gradient-norm reduction of CPU-resident DTensor shards needs a CPU backend)."""
+    if job.spec.cluster.workers.gpus_per_worker == 0:
+        return "gloo"
+    return "cpu:gloo,cuda:nccl" if job.spec.training.fsdp.cpu_offload else "nccl"
 
 
 def summary(phase: Phase, message: str, metrics: dict[str, Any] | None,

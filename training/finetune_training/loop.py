@@ -19,18 +19,24 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from finetune_operator.api.spec import FinetuneJob, FinetuneJobSpec, Resume
+from finetune_operator.api.spec import FinetuneJob, FinetuneJobSpec
 from finetune_operator.api.status import NetworkHealth, ProgressReport, TrainingProgress
 from finetune_operator.instance_types import lookup
 
 from . import checkpoint as ckpt
 from .data import IGNORE, PreparedData, prepare, step_sequences, steps_per_epoch
 from .environment import RuntimeEnv
+from .loss import loss_sum, shift_targets
 from .metrics import Throughput, mfu, model_shape, peak_memory_gib
 from .progress import ProgressClient
 
 log = logging.getLogger("finetune.train")
 EVAL_MAX_BATCHES = int(os.environ.get("FINETUNE_EVAL_MAX_BATCHES", "50"))
+TRUNCATION_WARN_FRACTION = 0.02  # warn when more than this share of records lost every trained token
+
+
+class NonFiniteError(RuntimeError):
+    """The loss or the gradient norm is NaN/inf: the job stops before the optimizer step."""
 
 
 def _now() -> str:
@@ -63,13 +69,6 @@ class LoopConfig:
 
 def checkpoints_dir(storage: str, run_name: str) -> str:
     return f"{storage.rstrip('/')}/{ckpt.CHECKPOINTS_DIR}/{run_name}"
-
-
-def _complete(uri: str) -> bool:
-    if uri.startswith("s3://"):
-        hit = ckpt.latest_uri(uri.rsplit("/", 1)[0])
-        return hit is not None and hit[1] == uri
-    return ckpt.is_complete(uri)
 
 
 def total_steps(spec: FinetuneJobSpec, num_train_sequences: int) -> int:
@@ -136,22 +135,37 @@ class Trainer:
         self.compute_dtype = modelio.compute_dtype(t.precision, self.on_gpu)
         load_dtype = modelio.load_dtype(self.spec.model.dtype, t.precision, self.on_gpu)
         cache = self.env.cache_dir
-        # Local rank 0 fetches (hub download, s3 copy) first; the others then hit the cache.
+        # Local rank 0 fetches (hub download, s3 copy) first; the others then hit the cache. Only rank 0
+        # loads the weights into host memory; the other ranks build the model on the meta device and
+        # receive their shards from rank 0 after sharding (`modelio.load_sharded`).
         if self.local_rank != 0:
             dist.barrier()
         self.tokenizer = modelio.load_tokenizer(self.spec.model, cache)
-        model = modelio.load_model(self.spec.model, load_dtype, cache)
+        model, full_sd = modelio.load_for_sharding(self.spec.model, load_dtype, cache, self.rank, self.world)
+        self.generation_config = modelio.load_generation_config(self.spec.model, cache) if self.rank == 0 else None
         if self.local_rank == 0:
             dist.barrier()
         self.data: PreparedData = prepare(self.spec.dataset, self.tokenizer, t.sequence_length, t.packing,
                                           t.seed, cache)
         self.say(f"data: {self.data.stats}")
+        lost = self.data.stats.get("train_records_truncated_away", 0)
+        if lost:
+            share = lost / max(1, self.data.stats["train_records"])
+            msg = (f"data: {lost} of {self.data.stats['train_records']} training records ({share:.1%}) have no "
+                   f"trained token left after truncation to sequenceLength {t.sequence_length}")
+            if share > TRUNCATION_WARN_FRACTION:
+                log.warning(msg)
+                self.say(f"WARNING: {msg} (raise training.sequenceLength or enable training.packing)")
+            else:
+                self.say(msg)
         self.shape = model_shape(model)
         self.model_config = model.config
         self.flops_per_token = self.shape.flops_per_token(t.sequence_length)
         mesh = build_mesh(t.fsdp.sharding_strategy, self.world, self.local_world, self.device.type)
         self.mesh = mesh
         self.model = apply_fsdp(model, mesh, t.fsdp, self.compute_dtype, self.on_gpu)
+        modelio.fill_sharded(self.model, full_sd, self.device, self.rank, self.world, t.fsdp.cpu_offload)
+        del full_sd
         if not self.on_gpu:
             self.model.to(self.device)
         self.model.train()
@@ -166,63 +180,57 @@ class Trainer:
     # ----------------------------------------------------------------------------------- resume
 
     def resume(self, ray_checkpoint: Any | None) -> int:
-        """Load the newest checkpoint and return its step.
+        """Load the newest complete checkpoint and return its step (`checkpoint.choose_resume`).
 
         Candidates: Ray's (`ray.train.get_checkpoint()`: after a worker-group restart, or a rerun/retry
-        with the same run directory) and, with resume: auto, the newest complete checkpoint in storage.
-        The newer wins: Ray registers a checkpoint asynchronously, so a run killed right after writing one
-        can leave it complete on storage but not yet in Ray's snapshot.
+        with the same run directory), whose pointed-to checkpoint is itself checked, and always a scan of
+        this run's checkpoint directory (Ray registers a checkpoint asynchronously, so a run killed right
+        after writing one can leave it complete on storage but not in Ray's snapshot). The choice and the
+        reason are logged; a Ray checkpoint with nothing usable behind it is an error, never step 0.
         """
-        candidates: list[tuple[int, str]] = []  # (step, where the complete checkpoint is)
+        pointer = None
         if ray_checkpoint is not None:
             with ray_checkpoint.as_directory() as d:
-                pointer = ckpt.read_pointer(d)
-            if pointer and _complete(pointer["uri"]):
-                candidates.append((int(pointer["step"]), pointer["uri"]))
-        if self.spec.training.resume == Resume.auto:
-            hit = ckpt.latest_uri(self.cfg.checkpoints_dir)
-            if hit is not None:
-                candidates.append(hit)
-        if not candidates:
-            self.say("starting at step 0")
+                pointer = ckpt.read_pointer(d) or {"step": None, "uri": f"{ray_checkpoint.path} (no pointer.json)"}
+        choice = ckpt.choose_resume(pointer, self.cfg.checkpoints_dir)
+        self.say(f"resume: {choice.why}")
+        if choice.uri is None:
             return 0
-        step, where = max(candidates)
-        local = where
-        if where.startswith("s3://"):
-            from .modelio import default_cache_dir
-            from .storage import download_prefix
-
-            local = str(download_prefix(where, Path(self.env.cache_dir or default_cache_dir()) / "ckpt"))
-        state = ckpt.load(local, self.model, self.optimizer)
-        source = where if ray_checkpoint is None else f"{where}; Ray's checkpoint: {ray_checkpoint.path}"
+        staging = Path(self.env.staging_dir or tempfile.gettempdir()) / "finetune-staging" / self.cfg.run_name
+        state = ckpt.load_from(choice.uri, self.model, self.optimizer, self.local_rank, staging)
         self.scheduler.load_state_dict(state["scheduler"])
         self.step = int(state["step"])
         self.eval_loss = state.get("eval_loss")
         self.last_checkpoint = state.get("uri")
         self.last_checkpoint_step = self.step
         self.resumed_from = [*state.get("resumed_from", []), self.step]
-        self.say(f"resuming from step {self.step} ({source})")
+        self.say(f"resuming from step {self.step} ({choice.uri})")
         self.progress.publish(ProgressReport(phase="Starting", message=f"resuming from step {self.step}"))
         return self.step
 
     # ------------------------------------------------------------------------------------ steps
 
-    def _batch(self, seqs: Any, idx: list[int]) -> tuple[Any, Any, Any]:
-        ids = seqs.input_ids[idx].to(self.device, non_blocking=True)
-        labels = seqs.labels[idx].to(self.device, non_blocking=True)
-        am = seqs.attention_mask[idx].to(self.device, non_blocking=True) if seqs.attention_mask is not None else None
-        return ids, labels, am
+    def _batch(self, seqs: Any, idx: list[int]) -> dict[str, Any]:
+        """Model inputs of one micro-batch: shifted targets; packed sequences flattened to one row with
+        per-record position ids (block-diagonal attention; the varlen kernel with flash-attention)."""
+        ids = seqs.input_ids[idx]
+        targets = shift_targets(seqs.labels[idx])
+        batch: dict[str, Any] = {"input_ids": ids, "targets": targets}
+        if seqs.position_ids is not None:
+            batch = {"input_ids": ids.reshape(1, -1), "targets": targets.reshape(1, -1),
+                     "position_ids": seqs.position_ids[idx].reshape(1, -1)}
+        elif seqs.attention_mask is not None:
+            batch["attention_mask"] = seqs.attention_mask[idx]
+        return {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
 
-    def _loss_sum(self, ids: Any, labels: Any, am: Any) -> Any:
-        import torch.nn.functional as F
-
-        logits = self.model(input_ids=ids, attention_mask=am).logits
-        return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(),
-                               labels[:, 1:].reshape(-1), ignore_index=IGNORE, reduction="sum")
+    def _loss_sum(self, batch: dict[str, Any]) -> Any:
+        return loss_sum(self.model, **batch)
 
     def train_step(self) -> dict[str, float]:
         import torch
         import torch.distributed as dist
+
+        from .parallel import gradient_sync
 
         t = self.spec.training
         seqs = self.data.train
@@ -233,22 +241,32 @@ class Trainer:
         per_rank = t.global_batch_size // self.world
         mine = batch[self.rank * per_rank : (self.rank + 1) * per_rank]
         loss_acc = torch.zeros((), device=self.device, dtype=torch.float32)
-        for i in range(0, per_rank, t.micro_batch_size):
-            ids, labels, am = self._batch(seqs, mine[i : i + t.micro_batch_size])
-            loss_sum = self._loss_sum(ids, labels, am)
+        starts = range(0, per_rank, t.micro_batch_size)
+        for i in starts:
+            # Gradients cross replicas (HSDP's inter-node all-reduce) only on the last micro-batch.
+            gradient_sync(self.model, t.fsdp.sharding_strategy, last=i == starts[-1])
+            loss_sum = self._loss_sum(self._batch(seqs, mine[i : i + t.micro_batch_size]))
             (loss_sum * (self.world / global_targets)).backward()
             loss_acc += loss_sum.detach()
         max_norm = t.max_grad_norm if t.max_grad_norm > 0 else float("inf")
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
         if hasattr(norm, "full_tensor"):
             norm = norm.full_tensor()
+        dist.all_reduce(loss_acc)
+        loss, grad_norm = float(loss_acc) / global_targets, float(norm)
+        if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+            # Every rank sees the same reduced figures, so every rank stops here, before the update.
+            self.optimizer.zero_grad(set_to_none=True)
+            raise NonFiniteError(
+                f"step {self.step + 1}: loss {loss} / gradient norm {grad_norm} is not finite; stopped before "
+                f"the optimizer step, nothing checkpointed or exported after step {self.last_checkpoint_step or 0} "
+                "(lower training.learningRate or training.maxGradNorm, check the data)")
         lr = self.scheduler.get_last_lr()[0]
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        dist.all_reduce(loss_acc)
         self.step += 1
-        return {"loss": float(loss_acc) / global_targets, "grad_norm": float(norm), "lr": float(lr)}
+        return {"loss": loss, "grad_norm": grad_norm, "lr": float(lr)}
 
     def evaluate(self) -> float | None:
         import torch
@@ -267,11 +285,11 @@ class Trainer:
                 idx = [i for i in range(b * per + self.rank * mb, b * per + (self.rank + 1) * mb) if i < len(ev)]
                 # Every rank runs the same number of forwards (FSDP all-gathers); a rank out of data runs
                 # a dummy batch that contributes no tokens.
-                ids, labels, am = self._batch(ev, idx or [0])
+                b_in = self._batch(ev, idx or [0])
                 if not idx:
-                    labels = torch.full_like(labels, IGNORE)
-                acc[0] += self._loss_sum(ids, labels, am).double()
-                acc[1] += (labels[:, 1:] != IGNORE).sum()
+                    b_in["targets"] = torch.full_like(b_in["targets"], IGNORE)
+                acc[0] += self._loss_sum(b_in).double()
+                acc[1] += (b_in["targets"] != IGNORE).sum()
         self.model.train()
         dist.all_reduce(acc)
         self.eval_loss = float(acc[0] / acc[1]) if acc[1] > 0 else None
@@ -350,11 +368,11 @@ class Trainer:
                 from .storage import upload_dir
 
                 with tempfile.TemporaryDirectory() as tmp:
-                    export_hf(full, self.model_config, self.tokenizer, tmp, dtype)
+                    export_hf(full, self.model_config, self.tokenizer, tmp, dtype, self.generation_config)
                     upload_dir(tmp, final)
             else:
                 shutil.rmtree(final, ignore_errors=True)
-                export_hf(full, self.model_config, self.tokenizer, final, dtype)
+                export_hf(full, self.model_config, self.tokenizer, final, dtype, self.generation_config)
         dist.barrier()
         uri = f"{self.cfg.storage_uri.rstrip('/')}/final"
         self.say(f"exported Hugging Face model to {uri}")

@@ -12,6 +12,15 @@ Strategies (spec.training.fsdp.shardingStrategy) and the mesh they use:
   through the same FSDP2 code path (same state dicts, same checkpoints).
 
 Mixed precision: bf16 compute with fp32 reductions on GPU (MixedPrecisionPolicy), fp32 on CPU with gloo.
+The sharded master weights (and so AdamW's state) are always fp32: a model loaded in bf16
+(`model.dtype: bfloat16`) is upcast layer by layer just before it is sharded, so small updates are not
+rounded away (pure-bf16 AdamW at lr 2e-5 leaves most weights unchanged).
+
+Gradient accumulation: `gradient_sync(model, strategy, last)` before each micro-batch's backward. With
+`hybrid` the cross-node all-reduce runs only on the last micro-batch (the intra-node reduce-scatter still
+runs every micro-batch, so gradients stay sharded); with `none` (replicated) no gradient communication
+happens until the last micro-batch. `full`/`gradOp` reduce-scatter every micro-batch: deferring it
+would keep full unsharded gradients on every rank.
 """
 
 from __future__ import annotations
@@ -29,16 +38,36 @@ def mesh_shape(strategy: ShardingStrategy, world: int, local_world: int) -> tupl
         return (world, 1), ("replicate", "shard")
     if strategy == ShardingStrategy.hybrid:
         if local_world <= 0 or world % local_world:
-            log.warning("hybrid sharding needs the same ranks on every node (%d ranks, %d local); using full",
-                        world, local_world)
-            return (world,), ("shard",)
+            raise ValueError(uneven_message([local_world], world))
         return (world // local_world, local_world), ("replicate", "shard")
     return (world,), ("shard",)
+
+
+def uneven_message(local_worlds: list[int], world: int) -> str:
+    return (f"training.fsdp.shardingStrategy: hybrid needs the same number of ranks on every node; "
+            f"got ranks per node {sorted(set(local_worlds))} for {world} ranks (use full, or give every "
+            "worker pod the same gpusPerWorker)")
+
+
+def check_same_local_world(strategy: ShardingStrategy, world: int, local_world: int) -> None:
+    """Collective (hybrid only): every rank must see the same ranks per node, else all fail at once.
+
+    Without it ranks on different nodes would build different meshes and hang in their first collective.
+    """
+    if strategy != ShardingStrategy.hybrid or world <= 1:
+        return
+    import torch.distributed as dist
+
+    seen: list[Any] = [None] * world
+    dist.all_gather_object(seen, local_world)
+    if len(set(seen)) > 1 or world % local_world:
+        raise ValueError(uneven_message([int(x) for x in seen], world))
 
 
 def build_mesh(strategy: ShardingStrategy, world: int, local_world: int, device_type: str) -> Any:
     from torch.distributed.device_mesh import init_device_mesh
 
+    check_same_local_world(strategy, world, local_world)
     shape, names = mesh_shape(strategy, world, local_world)
     return init_device_mesh(device_type, shape, mesh_dim_names=names)
 
@@ -60,9 +89,11 @@ def decoder_layers(model: Any) -> list[Any]:
 
 
 def apply_fsdp(model: Any, mesh: Any, fsdp: FSDPSpec, compute_dtype: Any, on_gpu: bool) -> Any:
-    """Activation checkpointing, then `fully_shard` on every decoder layer and on the root."""
+    """Activation checkpointing, then `fully_shard` on every decoder layer and on the root (fp32 shards)."""
     import torch
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+    from . import loss
 
     if fsdp.activation_checkpointing:
         # transformers 5 renamed it; the DLC image may carry 4.x.
@@ -80,8 +111,20 @@ def apply_fsdp(model: Any, mesh: Any, fsdp: FSDPSpec, compute_dtype: Any, on_gpu
             log.info("fsdp.cpuOffload has no effect on CPU ranks; ignored")
     reshard = fsdp.sharding_strategy != ShardingStrategy.grad_op
     layers = decoder_layers(model)
+    loss.install(model)
     for i, layer in enumerate(layers):
+        layer.to(torch.float32)  # fp32 master weights whatever the load dtype (one layer at a time)
         # The last layer is gathered again right away by the root's backward: keep it (torchtitan does).
         fully_shard(layer, reshard_after_forward=reshard and i < len(layers) - 1, **kw)
+    model.to(torch.float32)
     fully_shard(model, reshard_after_forward=reshard, **kw)
+    loss.register_with_fsdp(model)
     return model
+
+
+def gradient_sync(model: Any, strategy: ShardingStrategy, last: bool) -> None:
+    """Before a micro-batch's backward: communicate gradients across replicas only on the last one."""
+    if strategy == ShardingStrategy.hybrid:
+        model.set_requires_all_reduce(last)
+    elif strategy == ShardingStrategy.none:
+        model.set_requires_gradient_sync(last)

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import ssl
 import sys
 import threading
 import time
@@ -48,6 +50,9 @@ class ProgressClient:
         self.interval = interval
         self.timeout = timeout
         self.attempt = attempt
+        # An https:// endpoint with a private CA: the operator renders the CA (PEM) into this variable.
+        ca = os.environ.get("FINETUNE_PROGRESS_CA")
+        self._ssl = ssl.create_default_context(cadata=ca) if ca else None
         self.sent = 0
         self.failed = 0
         self.coalesced = 0
@@ -106,7 +111,7 @@ class ProgressClient:
         assert self.url is not None
         body = json.dumps(report.wire()).encode()
         req = urllib.request.Request(self.url, data=body, headers=self._headers(), method="POST")
-        with urllib.request.urlopen(req, timeout=self.timeout) as resp:
+        with urllib.request.urlopen(req, timeout=self.timeout, context=self._ssl) as resp:
             resp.read()
 
     def _run(self) -> None:

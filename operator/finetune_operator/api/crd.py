@@ -131,6 +131,24 @@ PRINTER_COLUMNS = [
 ]
 
 
+# metadata.name becomes the RayJob's name, and KubeRay derives Service and pod names from it: it must be
+# a DNS-1035 label (no dots, starts with a letter), and at most 47 characters (KubeRay's RayJob limit).
+# The API server only checks the generic DNS-1123 subdomain rule for custom resources.
+NAME_RULES = [
+    {
+        "rule": f"self.metadata.name.matches('{s.DNS1035}')",
+        "message": (
+            "metadata.name: must be a DNS-1035 label (lowercase letters, digits and '-', starting with a letter "
+            "and ending with a letter or digit; no '.'), because it names the RayJob and its Services"
+        ),
+    },
+    {
+        "rule": "self.metadata.name.size() <= 47",
+        "message": "metadata.name: at most 47 characters (KubeRay's RayJob name limit)",
+    },
+]
+
+
 def build_crd() -> dict[str, Any]:
     return {
         "apiVersion": "apiextensions.k8s.io/v1",
@@ -165,14 +183,7 @@ def build_crd() -> dict[str, Any]:
                                 "of EFA-connected GPU nodes."
                             ),
                             "required": ["spec"],
-                            "x-kubernetes-validations": [
-                                {
-                                    "rule": "self.metadata.name.size() <= 47",
-                                    "message": (
-                                        "metadata.name: at most 47 characters (KubeRay's RayJob name limit)"
-                                    ),
-                                }
-                            ],
+                            "x-kubernetes-validations": NAME_RULES,
                             "properties": {
                                 "apiVersion": {"type": "string", "description": "finetune.dev/v1alpha1"},
                                 "kind": {"type": "string", "description": "FinetuneJob"},

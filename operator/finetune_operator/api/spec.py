@@ -31,7 +31,7 @@ DEFAULT_INSTANCE_TYPE = "g6.12xlarge"
 
 _QUANTITY = r"^([+]?[0-9.]+)([eEinumkKMGTP]*[-+]?[0-9]*)$"
 _K8S_NAME = r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$"
-_DNS1035 = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
+_DNS1035 = DNS1035 = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
 _ENV_NAME = r"^[-._a-zA-Z][-._a-zA-Z0-9]*$"
 _SOURCE = r"^(s3://[^/]+(/.*)?|pvc://[a-z0-9]([-a-z0-9.]*[a-z0-9])?(/.*)?|/.*|\./.*|[A-Za-z0-9][-\w.]*(/[-\w.]+)?)$"
 
@@ -39,15 +39,14 @@ Str = Annotated[str, Field(max_length=253)]
 LongStr = Annotated[str, Field(max_length=4096)]
 
 
+def _immutable_message(what: str) -> str:
+    # What the user sees in `kubectl apply` and in a failed Argo CD sync (docs/gitops.md).
+    return (f"{what} is immutable after creation: rename the job to train a new one, or delete and re-create it "
+            "to re-run it (Argo CD: sync option Replace=true,Force=true)")
+
+
 def _immutable(what: str) -> dict[str, Any]:
-    return {
-        "x-kubernetes-validations": [
-            {
-                "rule": "self == oldSelf",
-                "message": f"{what} is immutable after creation (create a new FinetuneJob to change it)",
-            }
-        ]
-    }
+    return {"x-kubernetes-validations": [{"rule": "self == oldSelf", "message": _immutable_message(what)}]}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -90,9 +89,11 @@ class ModelSpec(SpecModel):
     dtype: DType = Field(
         default=DType.auto,
         description=(
-            "Dtype the weights are loaded and kept in. `auto` (recommended): float32 master weights, with "
-            "spec.training.precision choosing the compute dtype (bf16 mixed precision on GPU). `bfloat16`: "
-            "pure bf16 training (half the memory, less precise updates)."
+            "Dtype the weights are loaded in. Training always keeps float32 master weights and optimizer "
+            "state (bf16 weights round small updates away); spec.training.precision chooses the compute "
+            "dtype (bf16 mixed precision on GPU). `auto` (recommended) and `float32` load float32; "
+            "`bfloat16` loads bf16 (half the host memory while loading). `float16` is rejected (fp16 "
+            "training needs loss scaling)."
         ),
     )
     trust_remote_code: bool = Field(
@@ -238,7 +239,7 @@ class TrainingSpec(SpecModel):
                 },
                 {
                     "rule": "self == oldSelf",
-                    "message": "spec.training is immutable after creation (create a new FinetuneJob to change it)",
+                    "message": _immutable_message("spec.training"),
                 },
             ]
         }
@@ -555,6 +556,11 @@ class FinetuneJobSpec(SpecModel):
                     "fieldPath": ".training.precision",
                 },
                 {
+                    "rule": "self.model.dtype != 'float16'",
+                    "message": "model.dtype: float16 is not supported (fp16 training needs loss scaling); use auto (fp32 master weights, bf16 compute) or bfloat16",
+                    "fieldPath": ".model.dtype",
+                },
+                {
                     "rule": "!self.network.requireEFA || self.network.efa",
                     "message": "network.requireEFA needs network.efa: true",
                     "fieldPath": ".network.requireEFA",
@@ -583,6 +589,15 @@ class FinetuneJobSpec(SpecModel):
         ge=0,
         description="Delete the Ray cluster this long after the job finishes (default: deleted right away).",
     )
+    ttl_seconds_after_failure: int = Field(
+        default=900,
+        ge=0,
+        le=7 * 86400,
+        description=(
+            "Keep the Ray pods of a failed job this long (so their logs can be read) before the Ray cluster is "
+            "deleted; never shorter than ttlSecondsAfterFinished. 0 deletes them as soon as the job fails."
+        ),
+    )
     stall_policy: StallPolicy = Field(
         default_factory=StallPolicy, description="Hang detection: when a running job counts as stalled, and what then."
     )
@@ -604,6 +619,10 @@ class FinetuneJobSpec(SpecModel):
                 f"training.globalBatchSize: must be a multiple of training.microBatchSize x data-parallel "
                 f"ranks ({self.training.micro_batch_size} x {self.data_parallel_ranks} = {per_step}), "
                 f"got {self.training.global_batch_size}"
+            )
+        if self.model.dtype == DType.float16:
+            raise ValueError(
+                "model.dtype: float16 is not supported (fp16 training needs loss scaling); use auto (fp32 master weights, bf16 compute) or bfloat16"
             )
         if self.training.precision == Precision.bf16 and self.cluster.workers.gpus_per_worker == 0:
             raise ValueError(

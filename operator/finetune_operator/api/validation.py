@@ -9,6 +9,7 @@ Every message starts with the field path (`spec.cluster.workers.gpusPerWorker: .
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -75,17 +76,31 @@ def issues_from_validation_error(err: ValidationError, root: str = "") -> list[I
     return issues
 
 
-def fit_issues(spec: FinetuneJobSpec) -> list[Issue]:
-    """Rules that need the instance-type table (the API server cannot check these)."""
+Table = Mapping[str, it.InstanceType]
+UNKNOWN_TYPE_HINT = (
+    f"add its figures to a ConfigMap labelled {it.PARAMS_LABEL}=true in the operator's namespace "
+    "(see deploy/instance-types.yaml), or add a node of that type: the operator then takes them from the node"
+)
+
+
+def unknown_type_issue(name: str, table: Table | None = None) -> Issue:
+    known = ", ".join(sorted(it.INSTANCE_TYPES if table is None else table))
+    return Issue("spec.cluster.instanceType", f"unknown instance type {name!r} (known: {known}); {UNKNOWN_TYPE_HINT}")
+
+
+def fit_issues(spec: FinetuneJobSpec, table: Table | None = None) -> list[Issue]:
+    """Rules that need the instance-type table (the admission policy in deploy/ checks the same ones
+    against the same figures; `table` defaults to the built-in one)."""
     c = spec.cluster
     w = c.workers
     out: list[Issue] = []
-    inst = it.lookup(c.instance_type)
+    inst = it.lookup(c.instance_type, table)
     if inst is None:
-        known = ", ".join(sorted(it.INSTANCE_TYPES))
-        return [Issue("spec.cluster.instanceType", f"unknown instance type {c.instance_type!r} (known: {known})")]
+        return [unknown_type_issue(c.instance_type, table)]
     if w.gpus_per_worker > inst.gpus:
-        have = f"{inst.gpus} x {inst.gpu_model}" if inst.gpus else "no GPUs"
+        have = (f"{inst.gpus} x {inst.gpu_model}" if inst.gpu_model else f"{inst.gpus} GPUs") if inst.gpus else "no GPUs"
+        if inst.source != it.BUILT_IN:
+            have += f"; figures from {inst.source}"
         out.append(
             Issue(
                 "spec.cluster.workers.gpusPerWorker",
@@ -108,7 +123,7 @@ def fit_issues(spec: FinetuneJobSpec) -> list[Issue]:
             out.append(
                 Issue("spec.cluster.efaInterfacesPerWorker", "must be at least 1 with network.efa: true")
             )
-    res = worker_resources(spec)
+    res = worker_resources(spec, table)
     if res is not None:
         cpu, mem_gib, huge_gib, shm_gib = res
         alloc_cpu = inst.allocatable_cpu_millis / 1000
@@ -131,9 +146,9 @@ def fit_issues(spec: FinetuneJobSpec) -> list[Issue]:
     return out
 
 
-def worker_resources(spec: FinetuneJobSpec) -> tuple[float, float, float, float] | None:
+def worker_resources(spec: FinetuneJobSpec, table: Table | None = None) -> tuple[float, float, float, float] | None:
     """(cpu, memory GiB, hugepages GiB, /dev/shm GiB) of one worker pod, defaults resolved."""
-    inst = it.lookup(spec.cluster.instance_type)
+    inst = it.lookup(spec.cluster.instance_type, table)
     if inst is None:
         return None
     w = spec.cluster.workers
@@ -163,7 +178,7 @@ def local_only_warnings(spec: FinetuneJobSpec) -> list[Issue]:
     return out
 
 
-def parse_job(doc: Any) -> FinetuneJob:
+def parse_job(doc: Any, table: Table | None = None) -> FinetuneJob:
     """Validate one document; raises SpecError listing every problem."""
     if not isinstance(doc, dict):
         raise SpecError([Issue("(document)", "expected a mapping with apiVersion, kind, metadata and spec")])
@@ -171,19 +186,45 @@ def parse_job(doc: Any) -> FinetuneJob:
         job = FinetuneJob.model_validate(doc)
     except ValidationError as err:
         raise SpecError(issues_from_validation_error(err)) from None
-    errors = fit_issues(job.spec)
+    errors = fit_issues(job.spec, table)
     if errors:
         raise SpecError(errors)
     return job
 
 
-def check(doc: Any) -> tuple[FinetuneJob | None, list[Issue]]:
-    """Everything `finetune validate` reports: (job or None, errors + warnings)."""
+def check(doc: Any, table: Table | None = None) -> tuple[FinetuneJob | None, list[Issue]]:
+    """Everything `finetune validate` reports: (job or None, errors + warnings).
+
+    An instance type the table does not know is a warning here, not an error: the operator may know it
+    (a ConfigMap in the cluster, or the cluster's nodes) even if this machine does not."""
+    table = it.INSTANCE_TYPES if table is None else table
     try:
-        job = parse_job(doc)
+        job = FinetuneJob.model_validate(doc) if isinstance(doc, dict) else parse_job(doc)
+    except ValidationError as err:
+        return None, issues_from_validation_error(err)
     except SpecError as err:
         return None, err.issues
+    itype = job.spec.cluster.instance_type
+    if itype not in table:
+        warning = Issue(
+            "spec.cluster.instanceType",
+            f"{itype!r} is not in the {figures_source(table)}: instance fit not checked here; {UNKNOWN_TYPE_HINT} "
+            "(`finetune validate --instance-types FILE` checks against such a ConfigMap)",
+            severity="warning",
+        )
+        return job, [warning, *local_only_warnings(job.spec)]
+    errors = fit_issues(job.spec, table)
+    if errors:
+        return None, errors
     return job, local_only_warnings(job.spec)
+
+
+def figures_source(table: Table, name: str | None = None) -> str:
+    """Where the figures for `name` (or the table as a whole) come from, in words."""
+    if name is not None and name in table:
+        return table[name].source
+    sources = sorted({t.source for t in table.values()})
+    return " + ".join(sources) if sources else "empty table"
 
 
 def load_documents(text: str) -> list[Any]:

@@ -12,7 +12,7 @@ from typing import Any
 import kopf
 
 from ..api import spec as s
-from ..render.rayjob import JOB_LABEL
+from ..render.rayjob import INSTANCE_LABEL, JOB_LABEL
 from .progress import ProgressServer
 from .reconcile import TERMINAL, Reconciler
 from .workqueue import WorkQueue
@@ -61,6 +61,12 @@ def settings_for_embedding() -> kopf.OperatorSettings:
     settings = kopf.OperatorSettings()
     settings.posting.enabled = False  # we post our own, meaningful Events
     settings.peering.standalone = True  # leadership comes from the Lease (leader.py), not kopf peering
+    # Server-side label selectors: the handlers' `labels=` filters run in this process, so without these
+    # the operator would stream every pod (and RayJob) of the cluster and drop most of them.
+    selectors = settings.watching.label_selectors
+    selectors[lambda r: r.group == "" and r.plural == "pods"] = JOB_LABEL
+    selectors[lambda r: r.group == "ray.io" and r.plural == "rayjobs"] = JOB_LABEL
+    selectors[lambda r: r.group == "" and r.plural == "nodes"] = INSTANCE_LABEL
     settings.watching.server_timeout = 300
     settings.watching.client_timeout = 330
     return settings

@@ -170,9 +170,9 @@ class Kube:
         )
 
     def patch(self, gvr: tuple[str, str, str], namespace: str, name: str, body: Obj, kind: str,
-              fenced: bool = True) -> Obj:
+              content_type: str = "application/merge-patch+json", fenced: bool = True) -> Obj:
         return self._write("patch", kind, "PATCH", _path(gvr, namespace, name), body=body,
-                           content_type="application/merge-patch+json", fenced=fenced)
+                           content_type=content_type, fenced=fenced)
 
     def create(self, gvr: tuple[str, str, str], namespace: str | None, body: Obj, kind: str) -> Obj:
         return self._write("create", kind, "POST", _path(gvr, namespace), body=body)

@@ -4,6 +4,8 @@ bounded: past MAX_JOB_SERIES tracked jobs, new jobs get no per-job series (count
 from __future__ import annotations
 
 import threading
+import time
+from collections.abc import Callable
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -14,14 +16,20 @@ MAX_JOB_SERIES = 500
 
 
 class Metrics:
-    def __init__(self, registry: CollectorRegistry | None = None, max_jobs: int = MAX_JOB_SERIES):
+    def __init__(self, registry: CollectorRegistry | None = None, max_jobs: int = MAX_JOB_SERIES,
+                 clock: Callable[[], float] = time.time):
         self.registry = registry or CollectorRegistry()
         r = self.registry
         self.max_jobs = max_jobs
+        self.clock = clock
         self._lock = threading.Lock()
+        self._transports: dict[tuple[str, str], str] = {}
         self._phases: dict[tuple[str, str], str] = {}
         self._tracked: set[tuple[str, str]] = set()
+        self._untracked: set[tuple[str, str]] = set()
         self.reconciles = Counter("finetune_reconcile_total", "Reconciles by result.", ["result"], registry=r)
+        for result in ("ok", "error"):  # both series exist from the start: rates and alerts see a 0, not nothing
+            self.reconciles.labels(result)
         self.reconcile_seconds = Histogram(
             "finetune_reconcile_duration_seconds", "Reconcile latency.", registry=r,
             buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
@@ -33,6 +41,10 @@ class Metrics:
             self.jobs.labels(p.value).set(0)
         self.progress_reports = Counter(
             "finetune_progress_reports_total", "Progress POSTs by HTTP result.", ["code"], registry=r
+        )
+        self.token_reviews = Counter(
+            "finetune_progress_token_reviews_total", "TokenReviews the progress endpoint asked the API server for.",
+            registry=r,
         )
         self.untracked = Gauge(
             "finetune_jobs_without_series", "Jobs beyond the per-job series cap.", registry=r
@@ -49,7 +61,23 @@ class Metrics:
             "finetune_job_stalled", "1 while a running job has stopped reporting progress (Stalled condition).",
             labels, registry=r,
         )
-        self._per_job = [self.step, self.total_steps, self.loss, self.tokens, self.net_ok, self.stalled]
+        self.eval_loss = Gauge("finetune_job_eval_loss", "Loss on the held-out split.", labels, registry=r)
+        self.mfu = Gauge("finetune_job_mfu_ratio", "Model FLOPs utilisation (0..1).", labels, registry=r)
+        self.eta = Gauge("finetune_job_eta_seconds", "Estimated seconds to the last step.", labels, registry=r)
+        self.bus_bw = Gauge("finetune_job_network_bus_bandwidth_bytes_per_second",
+                            "All-reduce bus bandwidth from the start-up probe.", labels, registry=r)
+        self.transport = Gauge("finetune_job_network_transport_info",
+                               "1 for the transport carrying inter-node collectives (label transport).",
+                               [*labels, "transport"], registry=r)
+        self.last_report = Gauge("finetune_job_last_progress_timestamp_seconds",
+                                 "Unix time of the last training progress report.", labels, registry=r)
+        self.job_phase = Gauge("finetune_job_phase", "1 for the job's current phase, 0 for the others.",
+                               [*labels, "phase"], registry=r)
+        # Set by the runner: this replica holds the Lease; keys waiting in the work queue.
+        self.leader = Gauge("finetune_operator_leader", "1 while this replica holds the leader Lease.", registry=r)
+        self.queue_depth = Gauge("finetune_workqueue_depth", "Jobs waiting to be reconciled.", registry=r)
+        self._per_job = [self.step, self.total_steps, self.loss, self.tokens, self.net_ok, self.eval_loss,
+                         self.mfu, self.eta, self.bus_bw, self.last_report, self.stalled]
 
     def set_stalled(self, namespace: str, name: str, stalled: bool) -> None:
         if self._track((namespace, name)):
@@ -66,13 +94,17 @@ class Metrics:
                 counts[ph] = counts.get(ph, 0) + 1
         for ph, n in counts.items():
             self.jobs.labels(ph).set(n)
+        if phase is not None and self._track((namespace, name)):
+            for p in Phase:
+                self.job_phase.labels(namespace, name, p.value).set(1.0 if p.value == phase else 0.0)
 
     def _track(self, key: tuple[str, str]) -> bool:
         with self._lock:
             if key in self._tracked:
                 return True
             if len(self._tracked) >= self.max_jobs:
-                self.untracked.inc()
+                self._untracked.add(key)
+                self.untracked.set(len(self._untracked))
                 return False
             self._tracked.add(key)
             return True
@@ -83,19 +115,47 @@ class Metrics:
             return
         t = training or {}
         for gauge, field in ((self.step, "step"), (self.total_steps, "totalSteps"), (self.loss, "loss"),
-                             (self.tokens, "tokensPerSecond")):
+                             (self.tokens, "tokensPerSecond"), (self.eval_loss, "evalLoss"), (self.mfu, "mfu"),
+                             (self.eta, "etaSeconds")):
             if t.get(field) is not None:
                 gauge.labels(namespace, name).set(float(t[field]))
-        if network and network.get("healthy") is not None:
-            self.net_ok.labels(namespace, name).set(1.0 if network["healthy"] else 0.0)
+        if training is not None:
+            self.last_report.labels(namespace, name).set(self.clock())
+        net = network or {}
+        if net.get("healthy") is not None:
+            self.net_ok.labels(namespace, name).set(1.0 if net["healthy"] else 0.0)
+        if net.get("busBandwidthGBps") is not None:
+            self.bus_bw.labels(namespace, name).set(float(net["busBandwidthGBps"]) * 1e9)
+        if net.get("transport"):
+            self._set_transport(key, str(net["transport"]))
+
+    def _set_transport(self, key: tuple[str, str], transport: str) -> None:
+        with self._lock:
+            old = self._transports.get(key)
+            self._transports[key] = transport
+        if old is not None and old != transport:
+            self.transport.remove(*key, old)
+        self.transport.labels(*key, transport).set(1.0)
 
     def forget(self, namespace: str, name: str) -> None:
         key = (namespace, name)
         self.set_phase(namespace, name, None)
         with self._lock:
             self._tracked.discard(key)
+            self._untracked.discard(key)
+            self.untracked.set(len(self._untracked))
         for gauge in self._per_job:
             try:
                 gauge.remove(namespace, name)
+            except KeyError:
+                pass
+        with self._lock:
+            transport = self._transports.pop(key, None)
+        series = [(namespace, name, p.value) for p in Phase]
+        if transport is not None:
+            self.transport.remove(namespace, name, transport)
+        for labels in series:
+            try:
+                self.job_phase.remove(*labels)
             except KeyError:
                 pass

@@ -13,7 +13,7 @@ from typing import Any
 from .. import instance_types as it
 from ..api import quantity
 from ..api.spec import FinetuneJobSpec
-from ..api.validation import worker_resources
+from ..api.validation import Table, worker_resources
 from ..render.rayjob import EFA, GPU, HUGEPAGES, INSTANCE_LABEL
 
 
@@ -39,10 +39,10 @@ def _alloc(node: dict[str, Any], resource: str) -> float:
     return float(quantity.parse(str(value))) if value is not None else 0.0
 
 
-def worker_request(spec: FinetuneJobSpec) -> dict[str, float]:
+def worker_request(spec: FinetuneJobSpec, table: Table | None = None) -> dict[str, float]:
     """What one worker pod asks for, in plain numbers (CPUs, bytes, devices)."""
-    res = worker_resources(spec)
-    inst = it.lookup(spec.cluster.instance_type)
+    res = worker_resources(spec, table)
+    inst = it.lookup(spec.cluster.instance_type, table)
     if res is None or inst is None:
         return {}
     cpu, mem_gib, huge_gib, _ = res
@@ -56,10 +56,10 @@ def worker_request(spec: FinetuneJobSpec) -> dict[str, float]:
     return need
 
 
-def check_capacity(spec: FinetuneJobSpec, nodes: list[dict[str, Any]]) -> Capacity:
+def check_capacity(spec: FinetuneJobSpec, nodes: list[dict[str, Any]], table: Table | None = None) -> Capacity:
     wanted = spec.cluster.workers.replicas
     itype = spec.cluster.instance_type
-    need = worker_request(spec)
+    need = worker_request(spec, table)
     typed = [n for n in nodes if (n.get("metadata", {}).get("labels") or {}).get(INSTANCE_LABEL) == itype]
     selector = spec.cluster.node_selector
     typed = [n for n in typed if all((n["metadata"].get("labels") or {}).get(k) == v for k, v in selector.items())]

@@ -19,8 +19,10 @@ import base64
 import hashlib
 import json
 import logging
+import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,6 +35,7 @@ from ..render.config import progress_audience
 from ..render.rayjob import JOB_LABEL
 from .k8s import PODS, Kube
 from .metrics import Metrics
+from .progress_guard import Limits, ReviewLimiter, TTLCache, implausible
 
 log = logging.getLogger("finetune.progress")
 AUDIENCE_PREFIX = "finetune.dev/progress/"
@@ -62,10 +65,26 @@ class _Pending:
     network: dict[str, Any] = field(default_factory=dict)
     runtime_phase: str | None = None
     dirty: bool = False
+    flushed_network: dict[str, Any] = field(default_factory=dict)  # what the last flush wrote
 
 
 def _merge(a: dict[str, Any], b: dict[str, Any] | None) -> dict[str, Any]:
     return {**a, **{k: v for k, v in (b or {}).items() if v is not None}}
+
+
+async def read_body(request: web.Request, limit: int) -> bytes | None:
+    """The whole body, or None if it is over `limit` bytes. (`content.read(n)` returns what has arrived
+    so far, which may be a part of the body.)"""
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        chunk = await request.content.read(limit + 1 - size)
+        if not chunk:
+            return b"".join(chunks)
+        chunks.append(chunk)
+        size += len(chunk)
+        if size > limit:
+            return None
 
 
 class ProgressServer:
@@ -77,6 +96,7 @@ class ProgressServer:
         flush_interval: float = 5.0,
         auth_cache_seconds: float = 60.0,
         clock: Callable[[], str] | None = None,
+        limits: Limits | None = None,
     ):
         from .reconcile import utcnow
 
@@ -87,25 +107,51 @@ class ProgressServer:
         self.auth_cache_seconds = auth_cache_seconds
         self.clock = clock or utcnow
         self.pending: dict[tuple[str, str], _Pending] = {}
-        self._auth_cache: dict[str, tuple[float, Verdict]] = {}
+        self.limits = limits or Limits(accepted_ttl=auth_cache_seconds)
+        # Verdicts by token (bounded, expiring): accepted ones spare genuine pods a TokenReview per report,
+        # rejected ones make a repeated forged token free. See progress_guard.py.
+        self._auth_cache: TTLCache[Verdict] = TTLCache(self.limits.max_cached)
+        self._rejected: TTLCache[Verdict] = TTLCache(self.limits.max_cached)
+        self._limiter = ReviewLimiter(self.limits)
+        self._auth_lock = threading.Lock()
+        # TokenReviews run on their own few threads: a flood can never take the threads the leader
+        # election and the flusher run on (asyncio's default executor).
+        self._auth_pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="progress-auth")
         self.ready = False
 
     # ------------------------------------------------------------------------------------------ auth
-    def authorize(self, token: str, namespace: str, name: str) -> Verdict:
+    def authorize(self, token: str, namespace: str, name: str, client: str = "unknown") -> Verdict:
         key = hashlib.sha256(f"{namespace}/{name}/{token}".encode()).hexdigest()
-        hit = self._auth_cache.get(key)
-        if hit and hit[0] > time.monotonic():
-            return hit[1]
+        with self._auth_lock:
+            hit = self._auth_cache.get(key) or self._rejected.get(key)
+        if hit is not None:
+            return hit
+        why = implausible(token, time.time())
+        if why is not None:
+            verdict = Verdict(401, why)
+            with self._auth_lock:
+                self._rejected.put(key, verdict, self.limits.rejected_ttl)
+            return verdict
+        with self._auth_lock:
+            allowed = self._limiter.allow(client)
+        if not allowed:
+            return Verdict(429, "too many unverified tokens; retry later")
         verdict = self._authorize(token, namespace, name)
-        if verdict.code == 200:
-            self._auth_cache[key] = (time.monotonic() + self.auth_cache_seconds, verdict)
+        with self._auth_lock:
+            if verdict.code == 200:
+                self._auth_cache.put(key, verdict, self.limits.accepted_ttl)
+            else:
+                self._rejected.put(key, verdict, self.limits.rejected_ttl)
         return verdict
 
     def _authorize(self, token: str, namespace: str, name: str) -> Verdict:
         audience = progress_audience(namespace, name)
+        self.metrics.token_reviews.inc()
         review = self.kube.token_review(token, [audience])
         if not review.get("authenticated"):
             others = [a for a in unverified_audiences(token) if a.startswith(AUDIENCE_PREFIX) and a != audience]
+            if others:
+                self.metrics.token_reviews.inc()
             if others and self.kube.token_review(token, others[:1]).get("authenticated"):
                 return Verdict(403, f"token was issued for {others[0]}, not for job {namespace}/{name}")
             return Verdict(401, review.get("error") or "token not accepted for this job's audience")
@@ -135,12 +181,14 @@ class ProgressServer:
         header = request.headers.get("Authorization", "")
         if not header.startswith("Bearer ") or not header[7:].strip():
             return self._reply(401, "missing bearer token")
-        verdict = await asyncio.to_thread(self.authorize, header[7:].strip(), ns, name)
+        loop = asyncio.get_running_loop()
+        verdict = await loop.run_in_executor(self._auth_pool, self.authorize, header[7:].strip(), ns, name,
+                                             request.remote or "unknown")
         if verdict.code != 200:
             return self._reply(verdict.code, verdict.message)
         try:
-            raw = await request.content.read(MAX_BODY + 1)
-            if len(raw) > MAX_BODY:
+            raw = await read_body(request, MAX_BODY)
+            if raw is None:
                 return self._reply(413, f"body over {MAX_BODY} bytes")
             report = ProgressReport.model_validate_json(raw)
         except ValidationError as err:
@@ -164,7 +212,8 @@ class ProgressServer:
 
     def _reply(self, code: int, message: str) -> web.Response:
         self.metrics.progress_reports.labels(str(code)).inc()
-        return web.json_response({"code": code, "message": message}, status=code)
+        headers = {"Retry-After": "1"} if code == 429 else None
+        return web.json_response({"code": code, "message": message}, status=code, headers=headers)
 
     async def healthz(self, request: web.Request) -> web.Response:
         return web.Response(text="ok")
@@ -217,7 +266,11 @@ class ProgressServer:
                 log.warning("progress flush for %s/%s failed: %s", ns, name, err)
                 continue
             n += 1
-            self.on_flushed(ns, name)
+            # Only the network figures feed a condition (NetworkHealthy); step/loss do not, so a
+            # reconcile after every flush would be wasted work at scale.
+            if p.network != p.flushed_network:
+                p.flushed_network = dict(p.network)
+                self.on_flushed(ns, name)
         return n
 
     async def flush_forever(self) -> None:

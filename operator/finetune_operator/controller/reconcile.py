@@ -7,6 +7,7 @@ what was rendered; status is compared before patching).
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -18,13 +19,16 @@ from datetime import UTC, datetime
 from typing import Any
 
 from ..api import spec as s
+from ..api.policy import policy_issues
 from ..api.status import Phase
 from ..api.validation import SpecError, parse_job
 from ..render.config import RenderConfig
-from ..render.rayjob import JOB_LABEL, child_names, render_children
+from ..render.rayjob import JOB_LABEL, child_names, is_shared, render_children
+from .clusterconfig import ClusterConfig
 from .k8s import FTJ, NODES, PODS, RAYCLUSTER, RAYJOB, ApiError, Kube, gvr_of
 from .metrics import Metrics
 from .preflight import check_capacity
+from .shared import ensure_shared
 from .status import (
     BLOCKED,
     PROGRESS_FIELDS,
@@ -125,9 +129,11 @@ class Reconciler:
         metrics: Metrics | None = None,
         clock: Callable[[], str] = utcnow,
         requeue_after: Callable[[str, str, float], None] | None = None,
+        cluster_config: ClusterConfig | None = None,
     ):
         self.kube = kube
         self.cfg = cfg
+        self.cluster_config = cluster_config
         self.runtime_files = dict(runtime_files)
         self.metrics = metrics or Metrics()
         self.clock = clock
@@ -199,8 +205,9 @@ class Reconciler:
         names = child_names(name)
         observed = Observed()
         job: s.FinetuneJob | None = None
+        cfg = self.cfg
         try:
-            job = parse_job(job_document(body))
+            job, cfg = self._parse(body)
         except SpecError as err:
             observed.spec_issues = err.issues
 
@@ -212,7 +219,7 @@ class Reconciler:
                 if rj is not None and rj["metadata"].get("uid") == prev.get("rayJobUID") and owned_by(rj, meta["uid"]):
                     observed.rayjob = rj
             else:
-                self._ensure_children(job, prev, names, observed)
+                self._ensure_children(job, prev, names, observed, cfg)
 
         if job is not None and observed.rayjob is not None:
             cluster_name = (observed.rayjob.get("status") or {}).get("rayClusterName")
@@ -222,9 +229,9 @@ class Reconciler:
                 if owned_by(rc, observed.rayjob["metadata"].get("uid") or ""):
                     observed.raycluster = rc
             if prev.get("phase") not in TERMINAL:
-                observed.capacity = self._capacity(job)
+                observed.capacity = self._capacity(job, cfg)
         elif job is not None and not observed.blocked and not observed.rayjob_lost:
-            observed.capacity = self._capacity(job)
+            observed.capacity = self._capacity(job, cfg)
 
         now = self.clock()
         stall_timeout = job.spec.stall_policy.timeout_seconds if job is not None else None
@@ -269,11 +276,25 @@ class Reconciler:
         self._stall_checks[(namespace, name)] = due
         self.requeue_after(namespace, name, left)
 
-    def _capacity(self, job: s.FinetuneJob) -> Any:
-        nodes = self.kube.list_objects(NODES, None, f"node.kubernetes.io/instance-type={job.spec.cluster.instance_type}")
-        return check_capacity(job.spec, nodes)
+    def _parse(self, body: Obj) -> tuple[s.FinetuneJob, RenderConfig]:
+        """Validate against the cluster's instance-type figures and allow-list (clusterconfig.py); the
+        render settings carry the same figures."""
+        if self.cluster_config is None:
+            return parse_job(job_document(body)), self.cfg
+        itype = str(((body.get("spec") or {}).get("cluster") or {}).get("instanceType") or s.DEFAULT_INSTANCE_TYPE)
+        table = self.cluster_config.instance_types(itype)
+        job = parse_job(job_document(body), table)
+        issues = policy_issues(job.spec, self.cluster_config.allow_list())
+        if issues:
+            raise SpecError(issues)
+        return job, dataclasses.replace(self.cfg, instance_types=table)
 
-    def _ensure_children(self, job: s.FinetuneJob, prev: Obj, names: dict[str, str], observed: Observed) -> None:
+    def _capacity(self, job: s.FinetuneJob, cfg: RenderConfig | None = None) -> Any:
+        nodes = self.kube.list_objects(NODES, None, f"node.kubernetes.io/instance-type={job.spec.cluster.instance_type}")
+        return check_capacity(job.spec, nodes, (cfg or self.cfg).instance_types)
+
+    def _ensure_children(self, job: s.FinetuneJob, prev: Obj, names: dict[str, str], observed: Observed,
+                         cfg: RenderConfig | None = None) -> None:
         ns = job.metadata.namespace or "default"
         uid = job.metadata.uid or ""
         recorded = prev.get("rayJobUID")
@@ -291,10 +312,13 @@ class Reconciler:
             if os.environ.get("FINETUNE_TEST_CRASH_AFTER_NAMES") == "1":
                 os._exit(137)  # test hook: die like a SIGKILL at the worst moment (see test_operator.py)
         try:
-            desired = render_children(job, self.runtime_files, self.cfg)
+            desired = render_children(job, self.runtime_files, cfg or self.cfg)
         except SpecError as err:
             observed.spec_issues = err.issues
             return
+        for obj in [o for o in desired if is_shared(o)]:
+            ensure_shared(self.kube, obj)
+        desired = [o for o in desired if not is_shared(o)]
         current = {o["metadata"]["name"]: self.kube.get(gvr_of(o), ns, o["metadata"]["name"]) for o in desired}
         for action in plan_children(desired, current, uid):
             if action.blocked:

@@ -7,6 +7,7 @@ derived here: they arrive through the progress channel and are carried over unto
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -222,6 +223,18 @@ def seconds_until_stall(status: Obj, now: str, timeout_seconds: int | None) -> f
     return left + 1.0 if left >= 0 else None
 
 
+def _network_reason(net: Obj) -> str:
+    """NetworkHealthy's reason: which layer enforced requireEFA (the runtime's netprobe message prefixes), else
+    the transport in CamelCase (efa -> Efa, intra-node -> TransportIntraNode)."""
+    msg = str(net.get("message") or "")
+    if msg.startswith("requireEFA (caught by NCCL)"):
+        return "EfaRequiredNcclRefused"  # NCCL_NET pinned: NCCL itself refused to fall back
+    if msg.startswith("requireEFA (caught by the probe)"):
+        return "EfaRequiredProbeFailed"
+    transport = str(net.get("transport") or "unknown")
+    return "Efa" if transport == "efa" else "Transport" + "".join(w.capitalize() for w in re.split(r"[^A-Za-z0-9]+", transport))
+
+
 def derive_status(
     *,
     generation: int | None,
@@ -269,8 +282,7 @@ def derive_status(
 
     net = status.get("network") or {}
     if net.get("healthy") is not None:
-        cond(NETWORK, bool(net["healthy"]), "Efa" if net.get("transport") == "efa" else f"Transport{str(net.get('transport') or 'Unknown').capitalize()}",
-             net.get("message") or f"collectives over {net.get('transport')}")
+        cond(NETWORK, bool(net["healthy"]), _network_reason(net), net.get("message") or f"collectives over {net.get('transport')}")
 
     # -- capacity and pods ----------------------------------------------------------------------------
     if observed.capacity is not None:

@@ -92,5 +92,9 @@ class WorkQueue:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
 
+    def depth(self) -> int:
+        """Keys waiting for a worker (the finetune_workqueue_depth metric)."""
+        return self._queue.qsize()
+
     def idle(self) -> bool:
         return not self._dirty and not self._running and self._queue.empty()

@@ -6,11 +6,19 @@ Layout of the cache (``$FINETUNE_CACHE_DIR``, default ``~/.cache/finetune-operat
     bin/etcd-v3.7.3/etcd
     bin/kuberay-v1.6.1/ray-operator   bin/kuberay-v1.6.1/crds/ray.io_*.yaml
     bin/kwok-v0.8.0/kwok              bin/kwok-v0.8.0/stages/*.yaml
+    bin/kubernetes-node-v1.37.2/{kubelet,kube-proxy,kubectl}   bin/containerd-v2.4.2/{containerd,ctr,...}
+    bin/runc-v1.5.3/runc  bin/cni-plugins-v1.10.0/{bridge,...}  bin/coredns-v1.15.0/coredns
+    bin/deviceplugin-v0.37.2/fake-device-plugin          (the real-node parts: NODE_COMPONENTS)
+    bin/argocd-v3.6.1/{argocd,argocd-lua-health}   bin/argocd-v3.6.1/crds/*.yaml   (only when asked for)
     src/<component>-<version>/{go.mod,go.sum}   (the wrapper module the build ran in)
 
 One ``go build`` per wrapper module (the three Kubernetes binaries share one), all sharing the normal Go
 build cache. A ``.stamp`` file records what a directory was built from; a changed wrapper module or Go
 version rebuilds it. The only network access is the Go module proxy (module downloads).
+
+The real-node parts are built only on demand (``ensure_node_built``, ``build --real-node``), under their
+own lock, so a kwok-only cluster never waits for them. runc is the one cgo build (seccomp needs Debian's
+``libseccomp-dev``, installed with apt-get when its header is missing).
 
 ``KUBEBUILDER_ASSETS`` (the envtest convention) names a directory of prebuilt binaries: a component whose
 binaries are all there is not built, and those binaries are used instead of the cached ones.
@@ -34,7 +42,7 @@ from typing import Any
 
 import yaml
 
-from .versions import COMPONENTS, Component
+from .versions import ALL_COMPONENTS, COMPONENTS, NODE_COMPONENTS, Component
 
 TOOLS_DIR = Path(__file__).parent / "tools"
 Log = Callable[[str], None]
@@ -80,24 +88,48 @@ def _from_assets(comp: Component) -> dict[str, Path] | None:
     return None
 
 
-def _go_env() -> dict[str, str]:
+def _go_env(comp: Component | None = None) -> dict[str, str]:
     env = dict(os.environ)
-    env["CGO_ENABLED"] = "0"  # static binaries, no C toolchain needed, and faster to build
+    if comp is not None and comp.toolchain:
+        env["GOTOOLCHAIN"] = comp.toolchain  # downloaded once through the module proxy, then cached
+    # Static binaries, no C toolchain needed, and faster to build; runc needs cgo for seccomp.
+    env["CGO_ENABLED"] = "1" if comp is not None and comp.cgo else "0"
     env["GOWORK"] = "off"
     env["GOFLAGS"] = (env.get("GOFLAGS", "") + " -mod=readonly -buildvcs=false").strip()
     return env
 
 
-def _go_version(go: str) -> str:
-    return subprocess.run([go, "env", "GOVERSION"], check=True, capture_output=True, text=True).stdout.strip()
+def _go_version(go: str, comp: Component | None = None) -> str:
+    env = _go_env(comp) if comp is not None and comp.toolchain else None
+    return subprocess.run([go, "env", "GOVERSION"], check=True, capture_output=True, text=True, env=env).stdout.strip()
+
+
+def _own_sources(comp: Component) -> list[Path]:
+    """Source files of our own main packages in the wrapper module (``tools/<name>/<dir>/*.go``)."""
+    return sorted(p for p in (TOOLS_DIR / comp.name).rglob("*.go"))
+
+
+def _module_files(comp: Component) -> list[Path]:
+    """The files of the wrapper module (plus the Go source of a local module)."""
+    d = TOOLS_DIR / comp.name
+    return [d / "go.mod", d / "go.sum", *(sorted(d.glob("*.go")) if comp.local else [])]
 
 
 def _stamp(comp: Component, go_version: str) -> str:
     h = hashlib.sha256()
-    for name in ("go.mod", "go.sum"):
-        h.update((TOOLS_DIR / comp.name / name).read_bytes())
+    for path in _module_files(comp):
+        h.update(path.read_bytes())
+    if not comp.local:
+        for src in _own_sources(comp):
+            h.update(str(src.relative_to(TOOLS_DIR / comp.name)).encode())
+            h.update(src.read_bytes())
     h.update(go_version.encode())
     h.update(json.dumps(sorted(comp.binaries.items())).encode())
+    # (Absent for the control plane: its stamps stay as they were.)
+    if comp.cgo or comp.xflags:
+        h.update(json.dumps([comp.cgo, list(comp.tags), list(comp.xflags)]).encode())
+    elif comp.tags:
+        h.update(",".join(comp.tags).encode())
     return h.hexdigest()
 
 
@@ -112,10 +144,10 @@ def is_built(comp: Component, go_version: str | None = None) -> bool:
     return go_version is None or stamp.read_text().strip() == _stamp(comp, go_version)
 
 
-def binaries() -> dict[str, Path]:
+def binaries(components: dict[str, Component] | None = None) -> dict[str, Path]:
     """Every binary the dev cluster runs, by name; prebuilt ``KUBEBUILDER_ASSETS`` ones win."""
     out: dict[str, Path] = {}
-    for comp in COMPONENTS.values():
+    for comp in (COMPONENTS if components is None else components).values():
         found = _from_assets(comp)
         if found is None:
             found = {name: component_dir(comp) / name for name in comp.binaries.values()}
@@ -131,15 +163,21 @@ def kwok_stages() -> list[Path]:
     return sorted((component_dir(COMPONENTS["kwok"]) / "stages").glob("*.yaml"))
 
 
-def missing() -> list[str]:
+def node_binaries() -> dict[str, Path]:
+    """The real node's binaries (kubelet, kube-proxy, kubectl, containerd, runc, CNI plugins, ...)."""
+    return binaries(NODE_COMPONENTS)
+
+
+def missing(components: dict[str, Component] | None = None) -> list[str]:
     """Names of components that still need building (a cheap check: no Go invoked)."""
-    return [c.name for c in COMPONENTS.values() if _needs_build(c, None, force=False)]
+    comps = COMPONENTS if components is None else components
+    return [c.name for c in comps.values() if _needs_build(c, None, force=False)]
 
 
 @contextmanager
-def _lock() -> Iterator[None]:
+def _lock(name: str = ".build.lock") -> Iterator[None]:
     """Serialise builds between processes (two test sessions starting at once share the cache)."""
-    path = cache_dir() / "bin" / ".build.lock"
+    path = cache_dir() / "bin" / name
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w") as f:
         fcntl.flock(f, fcntl.LOCK_EX)
@@ -151,7 +189,8 @@ def _lock() -> Iterator[None]:
 
 def _ldflags(comp: Component, info: dict[str, Any]) -> str:
     flags = ["-s", "-w"]  # no symbol table / DWARF: links much faster, binaries ~30% smaller
-    if comp.name == "kubernetes":
+    flags += [f"-X {k}={v}" for k, v in comp.xflags]
+    if comp.module == "k8s.io/kubernetes":
         # What hack/lib/version.sh sets: components read their own version (and derive the emulated
         # version from it), so an unset one ("v0.0.0-master") misbehaves.
         major, minor = comp.version.lstrip("v").split(".")[:2]
@@ -183,6 +222,16 @@ def _copy_assets(comp: Component, module_dir: Path, out: Path) -> None:
         (out / "crds").mkdir()
         for crd in sorted((module_dir / "config" / "crd" / "bases").glob("ray.io_*.yaml")):
             shutil.copyfile(crd, out / "crds" / crd.name)
+    elif comp.name == "argocd":
+        (out / "crds").mkdir()
+        for crd in sorted((module_dir / "manifests" / "crds").glob("*-crd.yaml")):
+            shutil.copyfile(crd, out / "crds" / crd.name)
+        # The repo-server runs it on every git checkout (commit signature check, even when unused).
+        shutil.copyfile(module_dir / "hack" / "git-verify-wrapper.sh", out / "git-verify-wrapper.sh")
+        (out / "git-verify-wrapper.sh").chmod(0o755)
+        (out / "config").mkdir()  # upstream's argocd-cm etc., the base our deploy/argocd/ patches
+        for cfg in sorted((module_dir / "manifests" / "base" / "config").glob("*.yaml")):
+            shutil.copyfile(cfg, out / "config" / cfg.name)
     elif comp.name == "kwok":
         # The stage set kwokctl uses by default: nodes initialise and heartbeat, pods become Ready and
         # complete (Job pods too), deletion is honoured.
@@ -191,14 +240,39 @@ def _copy_assets(comp: Component, module_dir: Path, out: Path) -> None:
             shutil.copyfile(stage, out / "stages" / stage.name)
 
 
+def _ensure_libseccomp(log: Log) -> None:
+    """runc's seccomp build links libseccomp: install Debian's -dev package when its header is missing."""
+    if Path("/usr/include/seccomp.h").is_file():
+        return
+    apt = shutil.which("apt-get")
+    if apt is None:
+        raise BuildError("runc: needs libseccomp's headers (/usr/include/seccomp.h) and there is no apt-get")
+    log("[build] runc: installing libseccomp-dev (apt-get)")
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    r = subprocess.run([apt, "install", "-y", "-q", "libseccomp-dev"], env=env, capture_output=True, text=True)
+    if r.returncode != 0:
+        subprocess.run([apt, "update", "-q"], env=env, capture_output=True)
+        r = subprocess.run([apt, "install", "-y", "-q", "libseccomp-dev"], env=env, capture_output=True, text=True)
+    if r.returncode != 0:
+        raise BuildError(f"runc: apt-get install libseccomp-dev failed:\n{r.stdout[-2000:]}{r.stderr[-2000:]}")
+
+
 def _build_one(comp: Component, go: str, go_version: str, log: Log) -> float:
     start = time.monotonic()
     src = cache_dir() / "src" / comp.key
+    shutil.rmtree(src, ignore_errors=True)
     src.mkdir(parents=True, exist_ok=True)
-    for name in ("go.mod", "go.sum"):
-        shutil.copyfile(TOOLS_DIR / comp.name / name, src / name)
+    for path in _module_files(comp):
+        shutil.copyfile(path, src / path.name)
+    if not comp.local:
+        for own in _own_sources(comp):
+            dest = src / own.relative_to(TOOLS_DIR / comp.name)
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(own, dest)
     logfile = cache_dir() / "bin" / f"{comp.key}.build.log"
-    env = _go_env()
+    env = _go_env(comp)
+    if "seccomp" in comp.tags:
+        _ensure_libseccomp(log)
     dl = subprocess.run([go, "mod", "download", "-json", comp.module], cwd=src, env=env, capture_output=True, text=True)
     if dl.returncode != 0:
         raise BuildError(f"{comp.name}: go mod download {comp.module} failed:\n{dl.stdout}{dl.stderr}")
@@ -213,7 +287,8 @@ def _build_one(comp: Component, go: str, go_version: str, log: Log) -> float:
     tmp.mkdir(parents=True)
     pkgs = list(comp.binaries)
     target = str(tmp / comp.binaries[pkgs[0]]) if len(pkgs) == 1 else str(tmp) + os.sep
-    cmd = [go, "build", "-ldflags", _ldflags(comp, info), "-o", target, *pkgs]
+    tags = ["-tags", ",".join(comp.tags)] if comp.tags else []
+    cmd = [go, "build", *tags, "-ldflags", _ldflags(comp, info), "-o", target, *pkgs]
     log(f"[build] {comp.name} {comp.version}: {' '.join(comp.binaries.values())} (log: {logfile})")
     with open(logfile, "w") as lf:
         lf.write(f"$ (cd {src} && {' '.join(cmd)})\n")
@@ -244,16 +319,38 @@ def _needs_build(comp: Component, go_version: str | None, force: bool) -> bool:
 
 
 def build(names: Iterable[str] | None = None, force: bool = False, log: Log = print) -> dict[str, float]:
-    """Build what is missing or stale; return seconds spent per component built (empty: nothing to do)."""
-    comps = [COMPONENTS[n] for n in (names or COMPONENTS)]
+    """Build what is missing or stale; return seconds spent per component built (empty: nothing to do).
+
+    No names: the control plane. Real-node and optional (Argo CD, helm, promtool, ...) components are
+    built only when named; control-plane and the other components build under separate locks.
+    """
+    comps = [ALL_COMPONENTS[n] for n in (names or COMPONENTS)]
     go = find_go()
-    go_version = _go_version(go)
     timings: dict[str, float] = {}
-    with _lock():
-        for comp in comps:
-            if _needs_build(comp, go_version, force):
-                timings[comp.name] = _build_one(comp, go, go_version, log)
+    others = {name: comp for name, comp in ALL_COMPONENTS.items() if name not in COMPONENTS}
+    for lock, group in ((".build.lock", COMPONENTS), (".build-node.lock", others)):
+        todo = [c for c in comps if c.name in group]
+        if not todo:
+            continue
+        with _lock(lock):
+            for comp in todo:
+                go_version = _go_version(go, comp)
+                if _needs_build(comp, go_version, force):
+                    timings[comp.name] = _build_one(comp, go, go_version, log)
     return timings
+
+
+def missing_optional(names: Iterable[str]) -> list[str]:
+    """Which of these optional components (e.g. ``argocd``) still need building (no Go invoked)."""
+    return [n for n in names if not is_built(ALL_COMPONENTS[n])]
+
+
+def optional_binaries(name: str, log: Log = print) -> Path:
+    """The directory of an optional component (e.g. ``argocd``, ``helm``), built first if it is not cached."""
+    comp = ALL_COMPONENTS[name]
+    if not is_built(comp):
+        build([name], log=log)
+    return component_dir(comp)
 
 
 def ensure_built(log: Log = print) -> dict[str, Path]:
@@ -263,22 +360,34 @@ def ensure_built(log: Log = print) -> dict[str, Path]:
     return binaries()
 
 
+def ensure_node_built(log: Log = print) -> dict[str, Path]:
+    """Build the real node's parts if missing (cheap when cached) and return their binaries."""
+    todo = missing(NODE_COMPONENTS)
+    if todo:
+        build(todo, log=log)
+    return node_binaries()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Build the dev cluster's binaries from Go modules.")
-    parser.add_argument("components", nargs="*", help=f"subset of {sorted(COMPONENTS)} (default: all)")
+    parser.add_argument(
+        "components", nargs="*", help=f"subset of {sorted(ALL_COMPONENTS)} (default: the control plane)"
+    )
+    parser.add_argument("--real-node", action="store_true", help="also the real node's parts")
     parser.add_argument("--force", action="store_true", help="rebuild even if cached")
     parser.add_argument("--print-dir", action="store_true", help="print the binary directories and exit")
     args = parser.parse_args(argv)
-    unknown = set(args.components) - set(COMPONENTS)
+    unknown = set(args.components) - set(ALL_COMPONENTS)
     if unknown:
-        parser.error(f"unknown components {sorted(unknown)}; known: {sorted(COMPONENTS)}")
+        parser.error(f"unknown components {sorted(unknown)}; known: {sorted(ALL_COMPONENTS)}")
+    names = list(args.components) or (list(ALL_COMPONENTS) if args.real_node else list(COMPONENTS))
     if args.print_dir:
-        for name, path in binaries().items():
+        for name, path in binaries(ALL_COMPONENTS if args.real_node else None).items():
             print(f"{name}\t{path}")
         return 0
     start = time.monotonic()
     try:
-        timings = build(args.components or None, force=args.force)
+        timings = build(names, force=args.force)
     except BuildError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -30,7 +30,7 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
         default=None,
         help=f"state, certificates, logs (default $FINETUNE_DEVCLUSTER_DIR or {default_workdir()})",
     )
-    sub = p.add_subparsers(dest="dev_cluster_command", metavar="{up,down,status,kubeconfig,build}")
+    sub = p.add_subparsers(dest="dev_cluster_command", metavar="{up,down,status,kubeconfig,build,images}")
     sub.required = True
     up = sub.add_parser(
         "up", parents=[common], help="build what is missing, start everything, wait until nodes are Ready"
@@ -45,14 +45,28 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
         default=None,
         help="directory of CRD YAMLs to install (repeatable; default: the checkout's crds/)",
     )
-    up.add_argument("--timeout", type=float, default=180, help="seconds to wait for readiness")
+    up.add_argument(
+        "--timeout", type=float, default=None, help="seconds to wait for readiness (default 180; 420 with --real-node)"
+    )
+    up.add_argument(
+        "--real-node",
+        action="store_true",
+        help="also a real kubelet node (containerd, runc, CNI bridge, kube-proxy, CoreDNS, simulated GPU/EFA "
+        "device plugin) that runs pods for real; builds its parts on first use",
+    )
     sub.add_parser("down", parents=[common], help="stop every component (idempotent); logs are kept")
     st = sub.add_parser("status", parents=[common], help="components, apiserver health, nodes (exit 1 if not running)")
     st.add_argument("--json", action="store_true")
     sub.add_parser("kubeconfig", parents=[common], help="print the admin kubeconfig path")
     b = sub.add_parser("build", parents=[common], help="only build the binaries (cached under $FINETUNE_CACHE_DIR)")
-    b.add_argument("components", nargs="*", help="subset of kubernetes, etcd, kuberay, kwok (default: all)")
+    b.add_argument(
+        "components", nargs="*", help="subset of kubernetes, etcd, kuberay, kwok, ... (default: the control plane)"
+    )
     b.add_argument("--force", action="store_true", help="rebuild even if cached")
+    b.add_argument("--real-node", action="store_true", help="also the real node's parts (kubelet, containerd, ...)")
+    im = sub.add_parser("images", help="build the real node's images (Ray on the DLC stack, operator by buildah); "
+                        "see `python -m finetune_operator.devcluster.images --help`")
+    im.add_argument("images_args", nargs=argparse.REMAINDER, help="[ray] [operator] [base] [--stack dlc|project] [--json]")
     p.set_defaults(func=run)
     return p
 
@@ -60,7 +74,12 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     cmd = args.dev_cluster_command
     if cmd == "build":
-        return build.main([*args.components, *(["--force"] if args.force else [])])
+        flags = [*(["--force"] if args.force else []), *(["--real-node"] if args.real_node else [])]
+        return build.main([*args.components, *flags])
+    if cmd == "images":
+        from . import images
+
+        return images.main(list(args.images_args))
     log = lambda msg: print(msg, file=sys.stderr)  # noqa: E731  (stdout stays clean for `kubeconfig`)
     if cmd == "up":
         cluster = DevCluster(
@@ -70,9 +89,10 @@ def run(args: argparse.Namespace) -> int:
             cpu_instance_type=args.cpu_instance_type,
             crd_dirs=args.crds,
             log=log,
+            real_node=args.real_node,
         )
         try:
-            cluster.up(timeout=args.timeout)
+            cluster.up(timeout=args.timeout or (420 if args.real_node else 180))
         except (DevClusterError, build.BuildError) as e:
             print(f"error: {e}", file=sys.stderr)
             return 1

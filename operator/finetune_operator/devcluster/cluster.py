@@ -37,6 +37,7 @@ from typing import Any
 import yaml
 
 from . import build, nodes, pki
+from . import node as realnode
 from .versions import KUBERNETES_VERSION
 
 SERVICE_CIDR = "10.96.0.0/16"
@@ -47,6 +48,21 @@ CPU_NODEGROUP = "cpu"
 FIELD_MANAGER = "finetune-dev-cluster"
 # Start order.
 COMPONENTS = ["etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kwok", "ray-operator"]
+# The real node's processes stop first; its containers are killed before containerd goes.
+NODE_STOP_STAGES = [["fake-device-plugin", "kube-proxy", "coredns", "kubelet"], ["containerd"]]
+REAL_NODE_LABELS = {
+    "node.kubernetes.io/instance-type": "local-real",
+    "finetune.dev/real-node": "true",
+    "kubernetes.io/os": "linux",
+}
+LOCAL_STORAGE_CLASS: dict[str, Any] = {
+    "apiVersion": "storage.k8s.io/v1",
+    "kind": "StorageClass",
+    "metadata": {"name": "finetune-local"},
+    "provisioner": "kubernetes.io/no-provisioner",
+    "volumeBindingMode": "Immediate",
+    "reclaimPolicy": "Retain",
+}
 STOP_STAGES = [["ray-operator", "kwok", "kube-scheduler", "kube-controller-manager"], ["kube-apiserver"], ["etcd"]]
 
 Log = Callable[[str], None]
@@ -162,6 +178,7 @@ class DevCluster:
         crd_dirs: list[Path] | None = None,
         die_with_parent: bool = False,
         log: Log = print,
+        real_node: bool = False,
     ) -> None:
         self.workdir = Path(workdir) if workdir is not None else default_workdir()
         self.gpu_nodes = nodes
@@ -170,6 +187,8 @@ class DevCluster:
         self.crd_dirs = default_crd_dirs() if crd_dirs is None else list(crd_dirs)
         self.die_with_parent = die_with_parent
         self.log = log
+        self.real_node = real_node
+        self.node = realnode.RealNode(self.workdir, log=log)
         self._popen: dict[str, subprocess.Popen[bytes]] = {}
         self._lock = threading.Lock()
 
@@ -219,6 +238,9 @@ class DevCluster:
             return
         self.down(quiet=True)  # leftovers of a crashed run
         bins = build.ensure_built(log=self.log)
+        if self.real_node:
+            bins = {**bins, **build.ensure_node_built(log=self.log)}
+            realnode.node_images(log=self.log)  # built (or found cached) before the clock starts
         start = time.monotonic()
         for attempt in (1, 2):
             try:
@@ -243,6 +265,16 @@ class DevCluster:
         shutil.rmtree(self.logs_dir, ignore_errors=True)
         self.logs_dir.mkdir(parents=True)
         keys = pki.generate(self.workdir / "pki", SERVICE_IP)
+        real = ["--authorization-mode=Node,RBAC"] if self.real_node else ["--authorization-mode=RBAC"]
+        if self.real_node:  # the apiserver's identity towards kubelet (logs, exec, port-forward)
+            kcrt, kkey = pki.issue_client(
+                keys, "apiserver-kubelet-client", "kube-apiserver-kubelet-client", "system:masters"
+            )
+            real += [
+                f"--kubelet-client-certificate={kcrt}",
+                f"--kubelet-client-key={kkey}",
+                "--kubelet-preferred-address-types=InternalIP",
+            ]
         ports = {n: _free_port() for n in ("etcd", "etcd-peer", "apiserver", "kcm", "scheduler", "ray-probe")}
         server = f"https://127.0.0.1:{ports['apiserver']}"
         self._save_state(
@@ -285,7 +317,7 @@ class DevCluster:
                 f"--tls-cert-file={keys.serving_crt}",
                 f"--tls-private-key-file={keys.serving_key}",
                 f"--client-ca-file={keys.ca_crt}",
-                "--authorization-mode=RBAC",
+                *real,
                 f"--service-account-issuer={server}",
                 f"--service-account-key-file={keys.sa_pub}",
                 f"--service-account-signing-key-file={keys.sa_key}",
@@ -360,6 +392,8 @@ class DevCluster:
             self._create_node(api, f"gpu-node-{i}", self.instance_type, GPU_NODEGROUP)
         self._create_node(api, "cpu-node-0", self.cpu_instance_type, CPU_NODEGROUP)
 
+        if self.real_node:
+            self._start_real_node(api, bins, server, keys, deadline)
         self._wait("nodes Ready", lambda: self._nodes_ready(api), deadline)
         self._wait(
             "kube-scheduler healthy",
@@ -395,7 +429,14 @@ class DevCluster:
         state = self._state()
         procs: dict[str, dict[str, Any]] = state.get("processes", {})
         stopped = []
-        for stage in STOP_STAGES:
+        node_state = self.node.state_file.exists()
+        for i, stage in enumerate([*NODE_STOP_STAGES, *STOP_STAGES]):
+            if node_state and i == 1:
+                self.node.kill_containers()  # before containerd goes: its shims are found by its socket
+            if node_state and i == len(NODE_STOP_STAGES):
+                problems = self.node.teardown()
+                if problems:
+                    self.log("[dev-cluster] real node teardown left: " + "; ".join(problems))
             running = [n for n in stage if n in procs and self._alive(procs[n])]
             for name in running:
                 self._signal(procs[name], signal.SIGTERM)
@@ -512,7 +553,8 @@ class DevCluster:
 
     def _nodes_ready(self, api: _Api) -> bool:
         items = api.get("/api/v1/nodes")["items"]
-        return len(items) == self.gpu_nodes + 1 and all(self._node_ready(n) for n in items)
+        expected = self.gpu_nodes + 1 + (1 if self.real_node else 0)
+        return len(items) == expected and all(self._node_ready(n) for n in items)
 
     # ---- CRDs --------------------------------------------------------------------------------------
     def crd_files(self) -> list[Path]:
@@ -559,10 +601,131 @@ class DevCluster:
 
         self._wait(f"{len(docs)} CRDs established", established, deadline)
 
+    # ---- the real node -----------------------------------------------------------------------------
+    def _start_real_node(self, api: _Api, bins: dict[str, Path], server: str, keys: pki.Pki, deadline: float) -> None:
+        """containerd + kubelet + device plugin + CoreDNS + kube-proxy, and the local volumes' class."""
+        rn = self.node
+        t0 = time.monotonic()
+        rn.prepare_host(bins)
+        cgroup_root = rn.make_cgroups()
+        rn.make_bridge()
+        rn.write_cni_config()
+        ports = {n: _free_port() for n in ("kubelet", "kubelet-healthz", "kube-proxy-healthz", "kube-proxy-metrics")}
+        ports.update({n: _free_port() for n in ("coredns-health", "coredns-ready")})
+        path_env = {"PATH": f"{bins['containerd'].parent}:{bins['runc'].parent}:{os.environ.get('PATH', '')}"}
+        self._spawn(
+            "containerd",
+            [str(bins["containerd"]), "--config", str(rn.write_containerd_config(bins)), "--log-level", "warn"],
+            path_env,
+        )
+        self._wait("containerd", lambda: rn.ctr(bins, "version", check=False).returncode == 0, deadline)
+        for image in realnode.node_images(log=self.log):
+            rn.import_image(bins, image)
+
+        kubelet_kc = rn.write_kubeconfig(
+            "kubelet",
+            server,
+            keys,
+            *pki.issue_client(keys, "kubelet", f"system:node:{realnode.NODE_NAME}", "system:nodes"),
+        )
+        self._spawn(
+            "kubelet",
+            [
+                str(bins["kubelet"]),
+                f"--config={rn.write_kubelet_config(keys, ports, cgroup_root)}",
+                f"--kubeconfig={kubelet_kc}",
+                f"--root-dir={rn.dir / 'kubelet' / 'root'}",
+                f"--cert-dir={rn.dir / 'kubelet' / 'pki'}",
+                f"--hostname-override={realnode.NODE_NAME}",
+                f"--node-ip={realnode.GATEWAY}",
+                "--node-labels=" + ",".join(f"{k}={v}" for k, v in REAL_NODE_LABELS.items()),
+                "--v=2",
+            ],
+            path_env,
+        )
+        self._wait(
+            f"node {realnode.NODE_NAME} Ready",
+            lambda: self._node_ready(api.get(f"/api/v1/nodes/{realnode.NODE_NAME}")),
+            deadline,
+        )
+        self._spawn(
+            "fake-device-plugin",
+            [
+                str(bins["fake-device-plugin"]),
+                f"--dir={realnode.DEVICE_PLUGIN_DIR}",
+                *[f"--resource={k}={v}" for k, v in realnode.FAKE_RESOURCES.items()],
+            ],
+        )
+
+        def advertised() -> bool:
+            alloc = api.get(f"/api/v1/nodes/{realnode.NODE_NAME}")["status"].get("allocatable", {})
+            return all(alloc.get(k) == str(v) for k, v in realnode.FAKE_RESOURCES.items())
+
+        self._wait("simulated GPU/EFA devices allocatable on the real node", advertised, deadline)
+
+        # CoreDNS as a host process behind the kube-dns Service (selector-less: one endpoint, the bridge
+        # gateway address, where it listens).
+        for doc in _coredns_objects():
+            _apply(api, doc)
+        coredns_kc = rn.write_kubeconfig("coredns", server, keys, *pki.issue_client(keys, "coredns", "system:coredns"))
+        self._spawn(
+            "coredns", [str(bins["coredns"]), "-conf", str(rn.write_corefile(coredns_kc, ports)), "-dns.port", "53"]
+        )
+        self._wait(
+            "CoreDNS ready",
+            lambda: self._http_text(f"http://127.0.0.1:{ports['coredns-ready']}/ready").strip() == "OK",
+            deadline,
+        )
+        proxy_kc = rn.write_kubeconfig(
+            "kube-proxy", server, keys, *pki.issue_client(keys, "kube-proxy", "system:kube-proxy")
+        )
+        self._spawn(
+            "kube-proxy", [str(bins["kube-proxy"]), f"--config={rn.write_kube_proxy_config(proxy_kc, ports)}", "--v=2"]
+        )
+        self._wait(
+            "kube-proxy healthy",
+            lambda: '"lastUpdated"' in self._http_text(f"http://127.0.0.1:{ports['kube-proxy-healthz']}/healthz"),
+            deadline,
+        )
+        _apply(api, LOCAL_STORAGE_CLASS)
+        self.log(f"[dev-cluster] real node {realnode.NODE_NAME} ready in {time.monotonic() - t0:.1f}s")
+
+    def import_image(self, image: realnode.ImageLike) -> None:
+        """Import an OCI image archive (``images.ImageArchive``, ``oci.LocalImage``) into the real node."""
+        if not self.real_node and not self.node.state_file.exists():
+            raise DevClusterError("import_image needs a dev cluster with a real node (real_node=True)")
+        self.node.import_image(build.node_binaries(), image)
+
+    def create_local_claim(self, namespace: str, claim: str, size: str = "5Gi") -> Path:
+        """A PersistentVolumeClaim ``claim`` bound to a new local PersistentVolume on the real node (usable
+        as ``pvc://<claim>/<path>``); returns the host directory behind it (readable after the pods)."""
+        api = self._api()
+        host = self.node.dir / "pv" / f"{namespace}-{claim}"
+        host.mkdir(parents=True, exist_ok=True)
+        host.chmod(0o777)
+        pv_name = f"local-{namespace}-{claim}"
+        _apply(api, _local_pv(pv_name, host, size, namespace, claim))
+        _apply(
+            api,
+            {
+                "apiVersion": "v1",
+                "kind": "PersistentVolumeClaim",
+                "metadata": {"name": claim, "namespace": namespace},
+                "spec": {
+                    "accessModes": ["ReadWriteMany"],
+                    "storageClassName": LOCAL_STORAGE_CLASS["metadata"]["name"],
+                    "volumeName": pv_name,
+                    "resources": {"requests": {"storage": size}},
+                },
+            },
+        )
+        return host
+
     # ---- processes ---------------------------------------------------------------------------------
-    def _spawn(self, name: str, args: list[str]) -> None:
+    def _spawn(self, name: str, args: list[str], extra_env: dict[str, str] | None = None) -> None:
         env = dict(os.environ)
         env["KUBECONFIG"] = str(self.kubeconfig)
+        env.update(extra_env or {})
         with open(self.logs_dir / f"{name}.log", "ab") as logf:
             logf.write(f"$ {' '.join(args)}\n".encode())
             logf.flush()
@@ -665,3 +828,103 @@ class DevCluster:
         }
         self.kubeconfig.write_text(yaml.safe_dump(cfg, sort_keys=False))
         self.kubeconfig.chmod(0o600)
+
+
+def _apply(api: _Api, doc: dict[str, Any]) -> None:
+    """Create ``doc`` (a 409 means it is there already: fine for these fixed objects)."""
+    meta = doc["metadata"]
+    group_version = doc["apiVersion"]
+    plural = {
+        "Service": "services",
+        "EndpointSlice": "endpointslices",
+        "ClusterRole": "clusterroles",
+        "ClusterRoleBinding": "clusterrolebindings",
+        "StorageClass": "storageclasses",
+        "PersistentVolume": "persistentvolumes",
+        "PersistentVolumeClaim": "persistentvolumeclaims",
+    }[doc["kind"]]
+    base = "/api/v1" if group_version == "v1" else f"/apis/{group_version}"
+    ns = f"/namespaces/{meta['namespace']}" if "namespace" in meta else ""
+    try:
+        api.request("POST", f"{base}{ns}/{plural}", doc)
+    except urllib.error.HTTPError as e:
+        if e.code != 409:
+            raise DevClusterError(f"creating {doc['kind']} {meta['name']}: {_status_message(e)}") from e
+
+
+def _coredns_objects() -> list[dict[str, Any]]:
+    labels = {"k8s-app": "kube-dns", "kubernetes.io/name": "CoreDNS"}
+    ports = [("dns", "UDP"), ("dns-tcp", "TCP")]
+    return [
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "ClusterRole",
+            "metadata": {"name": "system:coredns"},
+            "rules": [
+                {
+                    "apiGroups": [""],
+                    "resources": ["endpoints", "services", "pods", "namespaces"],
+                    "verbs": ["list", "watch"],
+                },
+                {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": ["list", "watch"]},
+            ],
+        },
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "ClusterRoleBinding",
+            "metadata": {"name": "system:coredns"},
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": "system:coredns"},
+            "subjects": [{"apiGroup": "rbac.authorization.k8s.io", "kind": "User", "name": "system:coredns"}],
+        },
+        {
+            "apiVersion": "v1",
+            "kind": "Service",
+            "metadata": {"name": "kube-dns", "namespace": "kube-system", "labels": labels},
+            "spec": {
+                "clusterIP": realnode.CLUSTER_DNS,
+                "ports": [{"name": n, "port": 53, "protocol": p, "targetPort": 53} for n, p in ports],
+            },
+        },
+        {
+            "apiVersion": "discovery.k8s.io/v1",
+            "kind": "EndpointSlice",
+            "metadata": {
+                "name": "kube-dns-host",
+                "namespace": "kube-system",
+                "labels": {
+                    "kubernetes.io/service-name": "kube-dns",
+                    "endpointslice.kubernetes.io/managed-by": FIELD_MANAGER,
+                },
+            },
+            "addressType": "IPv4",
+            "endpoints": [{"addresses": [realnode.GATEWAY], "conditions": {"ready": True}}],
+            "ports": [{"name": n, "port": 53, "protocol": p} for n, p in ports],
+        },
+    ]
+
+
+def _local_pv(name: str, host: Path, size: str, namespace: str, claim: str) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "PersistentVolume",
+        "metadata": {"name": name},
+        "spec": {
+            "capacity": {"storage": size},
+            "accessModes": ["ReadWriteMany"],
+            "persistentVolumeReclaimPolicy": "Retain",
+            "storageClassName": LOCAL_STORAGE_CLASS["metadata"]["name"],
+            "claimRef": {"namespace": namespace, "name": claim},
+            "local": {"path": str(host)},
+            "nodeAffinity": {
+                "required": {
+                    "nodeSelectorTerms": [
+                        {
+                            "matchExpressions": [
+                                {"key": "kubernetes.io/hostname", "operator": "In", "values": [realnode.NODE_NAME]}
+                            ]
+                        }
+                    ]
+                }
+            },
+        },
+    }

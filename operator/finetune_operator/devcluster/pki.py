@@ -249,3 +249,25 @@ def _generate_openssl(pki: Pki, dns: list[str], ips: list[str]) -> None:
         leaf(f"/O={ADMIN_GROUP}/CN={ADMIN_USER}", "extendedKeyUsage=clientAuth\n", pki.admin_crt, pki.admin_key)
     _openssl("genpkey", "-algorithm", "RSA", "-pkeyopt", "rsa_keygen_bits:2048", "-out", str(pki.sa_key))
     _openssl("pkey", "-in", str(pki.sa_key), "-pubout", "-out", str(pki.sa_pub))
+
+
+def issue_client(pki: Pki, stem: str, cn: str, org: str | None = None) -> tuple[Path, Path]:
+    """A client certificate ``<stem>.crt``/``<stem>.key`` signed by the cluster CA (e.g. a kubelet's
+    ``system:node:<name>`` in ``system:nodes``); returns (certificate, key)."""
+    crt, key = pki.dir / f"{stem}.crt", pki.dir / f"{stem}.key"
+    subj = (f"/O={org}" if org else "") + f"/CN={cn}"
+    with tempfile.TemporaryDirectory() as tmp:
+        csr, ext = Path(tmp) / "req.csr", Path(tmp) / "ext.cnf"
+        ext.write_text(
+            "basicConstraints=critical,CA:FALSE\nkeyUsage=critical,digitalSignature,keyEncipherment\n"
+            "extendedKeyUsage=clientAuth\n"
+        )
+        _openssl("ecparam", "-name", "prime256v1", "-genkey", "-noout", "-out", str(key))
+        _openssl("req", "-new", "-key", str(key), "-subj", subj, "-out", str(csr))
+        _openssl(
+            "x509", "-req", "-in", str(csr), "-CA", str(pki.ca_crt), "-CAkey", str(pki.ca_key),
+            "-set_serial", str(int.from_bytes(os.urandom(8), "big")), "-days", str(VALID_DAYS), "-sha256",
+            "-extfile", str(ext), "-out", str(crt),
+        )  # fmt: skip
+    key.chmod(0o600)
+    return crt, key

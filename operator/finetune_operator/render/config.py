@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+
+from ..instance_types import InstanceType
 
 FIELD_MANAGER = "finetune-operator"
 RUNTIME_MOUNT = "/opt/finetune/src"
@@ -12,6 +15,9 @@ TOKEN_MOUNT = "/var/run/secrets/finetune.dev"
 TOKEN_FILE = "token"
 TOKEN_EXPIRATION_SECONDS = 3600
 WORKER_GROUP = "gpu-workers"
+# The pod that runs `ray job submit` only talks HTTP to the head: a CPU image of the same Ray version
+# instead of the multi-GB GPU training image ({rayVersion} is replaced). --submitter-image overrides it.
+DEFAULT_SUBMITTER_IMAGE = "docker.io/rayproject/ray:{rayVersion}-cpu"
 
 
 def progress_audience(namespace: str, name: str) -> str:
@@ -26,3 +32,9 @@ class RenderConfig:
     # "http://finetune-operator.finetune-system.svc:8080". None: no progress channel rendered.
     progress_url: str | None = None
     operator_version: str = "0.1.0"
+    # Instance-type figures (built-in table, extended by ConfigMaps / the cluster's nodes); None: built-in.
+    instance_types: Mapping[str, InstanceType] | None = None
+    submitter_image: str = DEFAULT_SUBMITTER_IMAGE
+    # PEM of the CA that signed the progress endpoint's certificate (https progress URL), given to the
+    # pods as FINETUNE_PROGRESS_CA; None: the system trust store (or plain http).
+    progress_ca: str | None = None

@@ -2,18 +2,25 @@
 
 No clock, no randomness, no API calls: the same inputs give byte-identical output, so GitOps diffs and
 the golden files stay quiet. The training code reaches the cluster without building an image: its
-Python source travels in the `<job>-runtime` ConfigMap, mounted at RUNTIME_MOUNT in every Ray pod and
-put on PYTHONPATH; the resolved FinetuneJob travels in `<job>-config`.
+Python source travels in a runtime ConfigMap, mounted at RUNTIME_MOUNT in every Ray pod and put on
+PYTHONPATH; the resolved FinetuneJob travels in `<job>-config`.
+
+The runtime ConfigMap is content-addressed (`finetune-runtime-<hash>`) and `immutable: true`: one per
+namespace and runtime version, shared by every job that runs that version (each job adds itself as an
+owner, so the garbage collector deletes it with its last job). Running trainers never see their code
+change under them: an operator upgrade renders a new name, and pods keep the ConfigMap they mounted.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Mapping
 from typing import Any
 
 import yaml
 
 from .. import instance_types as it
+from ..api import quantity
 from ..api import spec as s
 from ..api.quantity import fmt_gi
 from ..api.storage import PVC_MOUNT_ROOT, parse_pvc
@@ -37,12 +44,26 @@ EFA = "vpc.amazonaws.com/efa"
 HUGEPAGES = "hugepages-2Mi"
 INSTANCE_LABEL = "node.kubernetes.io/instance-type"
 JOB_LABEL = "finetune.dev/job"
+RUNTIME_LABEL = "finetune.dev/runtime"
+HEAD_SHM_MAX_GIB = 8.0
+SUBMITTER_CONTAINER = "ray-job-submitter"  # KubeRay fills in this container's command (K8sJobMode)
 ENTRYPOINT = f"python3 -m finetune_training --config {CONFIG_MOUNT}/{CONFIG_KEY}"
 
 
 def child_names(name: str) -> dict[str, str]:
     """Fixed child names (recorded in status before anything is created)."""
-    return {"rayJob": name, "configMap": f"{name}-config", "runtimeConfigMap": f"{name}-runtime"}
+    return {"rayJob": name, "configMap": f"{name}-config"}
+
+
+def runtime_hash(runtime_files: Mapping[str, str]) -> str:
+    h = hashlib.sha256()
+    for path in sorted(runtime_files):
+        h.update(path.encode() + b"\0" + runtime_files[path].encode() + b"\0")
+    return h.hexdigest()[:12]
+
+
+def runtime_config_map_name(runtime_files: Mapping[str, str]) -> str:
+    return f"finetune-runtime-{runtime_hash(runtime_files)}"
 
 
 def labels(job: s.FinetuneJob, component: str) -> dict[str, str]:
@@ -98,12 +119,38 @@ def runtime_key(path: str) -> str:
 
 
 def render_runtime_config_map(job: s.FinetuneJob, runtime_files: Mapping[str, str]) -> Obj:
+    """Shared by every job of the namespace on this runtime version; this job is one (non-controller)
+    owner among several, so deleting one job never deletes another job's code."""
+    digest = runtime_hash(runtime_files)
+    meta: Obj = {
+        "name": runtime_config_map_name(runtime_files),
+        "labels": {
+            "app.kubernetes.io/name": "finetune-runtime",
+            "app.kubernetes.io/component": "runtime",
+            "app.kubernetes.io/managed-by": "finetune-operator",
+            "app.kubernetes.io/part-of": "finetune-operator",
+            RUNTIME_LABEL: digest,
+        },
+    }
+    if job.metadata.namespace:
+        meta["namespace"] = job.metadata.namespace
+    if job.metadata.uid:
+        meta["ownerReferences"] = [
+            {"apiVersion": s.API_VERSION, "kind": s.KIND, "name": job.metadata.name, "uid": job.metadata.uid,
+             "controller": False, "blockOwnerDeletion": False}
+        ]
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
-        "metadata": _meta(job, child_names(job.metadata.name)["runtimeConfigMap"], "runtime"),
+        "metadata": meta,
+        "immutable": True,
         "data": {runtime_key(p): runtime_files[p] for p in sorted(runtime_files)},
     }
+
+
+def is_shared(obj: Obj) -> bool:
+    """Children shared between jobs (the runtime ConfigMap): created once, then only gain owners."""
+    return RUNTIME_LABEL in (obj["metadata"].get("labels") or {})
 
 
 # ------------------------------------------------------------------------------------------------ pods
@@ -121,7 +168,7 @@ def _volumes(job: s.FinetuneJob, runtime_files: Mapping[str, str], cfg: RenderCo
         {
             "name": "finetune-runtime",
             "configMap": {
-                "name": names["runtimeConfigMap"],
+                "name": runtime_config_map_name(runtime_files),
                 "items": [{"key": runtime_key(p), "path": p} for p in sorted(runtime_files)],
             },
         },
@@ -173,6 +220,8 @@ def _env(job: s.FinetuneJob, cfg: RenderConfig, *, worker: bool) -> list[Obj]:
             {"name": "FINETUNE_PROGRESS_URL", "value": f"{cfg.progress_url.rstrip('/')}/v1/progress/{ns}/{job.metadata.name}"},
             {"name": "FINETUNE_PROGRESS_TOKEN_FILE", "value": f"{TOKEN_MOUNT}/{TOKEN_FILE}"},
         ]
+        if cfg.progress_ca:
+            env.append({"name": "FINETUNE_PROGRESS_CA", "value": cfg.progress_ca})
     if spec.model.hub_token_secret_ref:
         ref = spec.model.hub_token_secret_ref
         env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}})
@@ -184,7 +233,7 @@ def _env(job: s.FinetuneJob, cfg: RenderConfig, *, worker: bool) -> list[Obj]:
             {"name": "NCCL_DEBUG_SUBSYS", "value": "INIT,NET,ENV"},
         ]
     if worker and spec.network.efa:
-        inst = it.lookup(spec.cluster.instance_type)
+        inst = it.lookup(spec.cluster.instance_type, cfg.instance_types)
         env += [
             {"name": "FI_PROVIDER", "value": "efa"},
             {"name": "NCCL_NET_PLUGIN", "value": "ofi"},
@@ -192,6 +241,9 @@ def _env(job: s.FinetuneJob, cfg: RenderConfig, *, worker: bool) -> list[Obj]:
             # Ray and PyTorch data loaders fork; libfabric must know (else memory registration breaks).
             {"name": "FI_EFA_FORK_SAFE", "value": "1"},
         ]
+        if spec.network.require_efa:
+            # aws-ofi-nccl's network name: pinned, NCCL fails instead of falling back to sockets.
+            env.append({"name": "NCCL_NET", "value": "Libfabric"})
         if inst is not None and inst.gpudirect_rdma:
             env.append({"name": "FI_EFA_USE_DEVICE_RDMA", "value": "1"})
     elif worker:
@@ -229,6 +281,10 @@ def _pod_common(spec: s.FinetuneJobSpec) -> Obj:
 def _head(job: s.FinetuneJob, runtime_files: Mapping[str, str], cfg: RenderConfig) -> Obj:
     spec = job.spec
     volumes, mounts = _volumes(job, runtime_files, cfg)
+    # Ray's object store and PyTorch data loaders use /dev/shm; the container default is 64 MiB.
+    shm_gib = min(quantity.gib(spec.cluster.head.memory) / 4, HEAD_SHM_MAX_GIB)
+    volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": fmt_gi(shm_gib)}})
+    mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
     resources = {"cpu": spec.cluster.head.cpu, "memory": spec.cluster.head.memory}
     container: Obj = {
         "name": "ray-head",
@@ -259,9 +315,9 @@ def _head(job: s.FinetuneJob, runtime_files: Mapping[str, str], cfg: RenderConfi
 
 def _worker(job: s.FinetuneJob, runtime_files: Mapping[str, str], cfg: RenderConfig) -> Obj:
     spec = job.spec
-    inst = it.lookup(spec.cluster.instance_type)
+    inst = it.lookup(spec.cluster.instance_type, cfg.instance_types)
     assert inst is not None  # fit_issues ran first
-    res = worker_resources(spec)
+    res = worker_resources(spec, cfg.instance_types)
     assert res is not None
     cpu, mem_gib, _, shm_gib = res
     w = spec.cluster.workers
@@ -317,18 +373,62 @@ def _worker(job: s.FinetuneJob, runtime_files: Mapping[str, str], cfg: RenderCon
     }
 
 
+def _submitter(job: s.FinetuneJob, cfg: RenderConfig) -> Obj:
+    """The pod that runs `ray job submit` (KubeRay K8sJobMode): small, on the head's nodes, with the
+    job's labels, and a CPU image (KubeRay's default is the head's GPU image, pulled just to submit)."""
+    spec = job.spec
+    resources = {"requests": {"cpu": "200m", "memory": "256Mi"}, "limits": {"cpu": "1", "memory": "1Gi"}}
+    container: Obj = {
+        "name": SUBMITTER_CONTAINER,
+        "image": cfg.submitter_image.replace("{rayVersion}", spec.cluster.ray_version),
+        "resources": resources,
+    }
+    pod: Obj = {"restartPolicy": "Never", "containers": [container]}
+    if spec.cluster.priority_class_name:
+        pod["priorityClassName"] = spec.cluster.priority_class_name
+    if spec.cluster.head.node_selector:
+        pod["nodeSelector"] = dict(sorted(spec.cluster.head.node_selector.items()))
+    if spec.cluster.tolerations:
+        pod["tolerations"] = list(spec.cluster.tolerations)
+    return {"metadata": {"labels": labels(job, "submitter")}, "spec": pod}
+
+
+def _cleanup(spec: s.FinetuneJobSpec) -> Obj:
+    """When KubeRay deletes the Ray cluster. Success: after ttlSecondsAfterFinished. Failure: after
+    ttlSecondsAfterFailure, so the pods' logs can still be read. KubeRay v1.6 expresses per-outcome TTLs
+    only as deletionRules, which exclude shutdownAfterJobFinishes, while suspending needs it
+    (utils/validation.go): a suspended job is rendered with shutdownAfterJobFinishes instead."""
+    done = spec.ttl_seconds_after_finished or 0
+    if spec.suspend:
+        return {"shutdownAfterJobFinishes": True, "ttlSecondsAfterFinished": done}
+    failed = max(done, spec.ttl_seconds_after_failure)
+    rule = "DeleteCluster"
+    return {
+        "shutdownAfterJobFinishes": False,
+        "deletionStrategy": {
+            "deletionRules": [
+                {"policy": rule, "condition": {"jobStatus": "SUCCEEDED", "ttlSeconds": done}},
+                {"policy": rule, "condition": {"jobStatus": "FAILED", "ttlSeconds": failed}},
+                # Failed deployments (deadline exceeded, retries exhausted, submitter failed) whose Ray
+                # job never reached FAILED.
+                {"policy": rule, "condition": {"jobDeploymentStatus": "Failed", "ttlSeconds": failed}},
+            ]
+        },
+    }
+
+
 def render_rayjob(job: s.FinetuneJob, runtime_files: Mapping[str, str], cfg: RenderConfig) -> Obj:
     spec = job.spec
-    errors = fit_issues(spec)
+    errors = fit_issues(spec, cfg.instance_types)
     if errors:
         raise SpecError(errors)
     rayjob_spec: Obj = {
         "entrypoint": ENTRYPOINT,
         "submissionMode": "K8sJobMode",
-        "shutdownAfterJobFinishes": True,
-        "ttlSecondsAfterFinished": spec.ttl_seconds_after_finished or 0,
+        **_cleanup(spec),
         "backoffLimit": spec.backoff_limit,
         "suspend": spec.suspend,
+        "submitterPodTemplate": _submitter(job, cfg),
         "rayClusterSpec": {
             "rayVersion": spec.cluster.ray_version,
             "enableInTreeAutoscaling": False,

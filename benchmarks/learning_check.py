@@ -1,0 +1,75 @@
+"""Does the tiny model learn its task? `finetune run examples/local-tiny.yaml` (embedded Ray, 2 CPU
+workers), then greedy generation from the export and from the untrained base model on the held-out
+records (the job's eval split), exact match:
+
+    .venv/bin/python benchmarks/learning_check.py [--max-steps 40] [--storage /tmp/learning-check]
+
+The completion restates the question and gives the sum (`51 + 29 = 80`). Printed: exact match of the
+whole completion, of its part up to `=` (restating two numbers never seen together in training) and of
+its first number. Measured so far (a loaded 2-core machine): 40 steps (the shipped job) give 0 % on all
+three for both models; the 0.35 M-parameter model needs far more steps than two minutes allow to copy
+the numbers (200 plain-torch steps at lr 3e-3: 10–20 % up to `=`, 0 % whole).
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def accuracy(model_dir: Path, records: list[dict[str, Any]]) -> tuple[float, float, float]:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    full = restated = first = 0
+    for r in records:
+        ids = tok(r["prompt"], return_tensors="pt", add_special_tokens=False)
+        with torch.no_grad():
+            out = model.generate(**ids, max_new_tokens=16, do_sample=False, pad_token_id=tok.pad_token_id)
+        text = tok.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True).strip()
+        want = r["completion"]
+        full += text == want
+        restated += text.split("=")[0].strip() == want.split("=")[0].strip()
+        first += text.split(" ")[0] == want.split(" ")[0]
+    return full / len(records), restated / len(records), first / len(records)
+
+
+def main() -> int:
+    from finetune_training.cli import prepare_document, run_local
+    from finetune_training.data import read_records, split_records
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--max-steps", type=int)
+    p.add_argument("--storage", default="/tmp/learning-check")
+    a = p.parse_args()
+    os.chdir(ROOT)
+    job, storage = prepare_document("examples/local-tiny.yaml", max_steps=a.max_steps, storage=a.storage)
+    t0 = time.perf_counter()
+    out = io.StringIO()
+    rc = run_local(job, storage, fresh=True, out=out)
+    train_s = time.perf_counter() - t0
+    if rc:
+        print(out.getvalue())
+        return rc
+    spec = job.spec
+    _, held_out = split_records(read_records(spec.dataset), spec.dataset.eval_fraction, spec.training.seed,
+                                spec.dataset.max_samples)
+    base = accuracy(ROOT / "examples" / "models" / "tiny-qwen2", held_out)
+    tuned = accuracy(Path(storage) / "final", held_out)
+    print(f"finetune run: {train_s:.0f}s; held-out exact match on {len(held_out)} prompts "
+          "(whole / up to '=' / first number):")
+    print(f"  untrained  {base[0]:.0%} / {base[1]:.0%} / {base[2]:.0%}")
+    print(f"  fine-tuned {tuned[0]:.0%} / {tuned[1]:.0%} / {tuned[2]:.0%}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

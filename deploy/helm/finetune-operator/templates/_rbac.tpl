@@ -1,0 +1,40 @@
+{{/* Rules on namespaced resources: the API it serves, its children, what it observes. */}}
+{{- define "finetune.namespacedRules" -}}
+- apiGroups: ["finetune.dev"]
+  resources: ["finetunejobs"]
+  verbs: ["get", "list", "watch"]
+- apiGroups: ["finetune.dev"]
+  resources: ["finetunejobs/status"]
+  verbs: ["get", "patch"]
+- apiGroups: ["ray.io"]
+  resources: ["rayjobs"]
+  verbs: ["get", "list", "watch", "create", "patch"]
+- apiGroups: ["ray.io"]
+  resources: ["rayclusters"]
+  verbs: ["get", "list", "watch"]
+- apiGroups: [""]
+  resources: ["configmaps"]
+  verbs: ["get", "create", "patch"]
+- apiGroups: [""]
+  resources: ["pods"]
+  verbs: ["get", "list", "watch"]
+- apiGroups: ["", "events.k8s.io"]
+  resources: ["events"]
+  verbs: ["create", "patch"]
+{{- end -}}
+
+{{/* Rules on cluster-scoped resources: nodes (preflight), token reviews, CRD and namespace discovery. */}}
+{{- define "finetune.clusterRules" -}}
+- apiGroups: [""]
+  resources: ["nodes"]
+  verbs: ["get", "list", "watch"]
+- apiGroups: ["authentication.k8s.io"]
+  resources: ["tokenreviews"]
+  verbs: ["create"]
+- apiGroups: ["apiextensions.k8s.io"]
+  resources: ["customresourcedefinitions"]
+  verbs: ["get", "list", "watch"]
+- apiGroups: [""]
+  resources: ["namespaces"]
+  verbs: ["get", "list", "watch"]
+{{- end -}}

@@ -1,0 +1,65 @@
+"""Every metric the Grafana dashboard and the alert rules use exists on the real operator's /metrics
+after a job has run: the operator runs as its ServiceAccount against the dev cluster, a FinetuneJob
+runs (kwok plays kubelet), a pod-bound job token posts a full progress report, /metrics is scraped."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.deploy.observability import dashboard_queries, metric_names, rule_exprs
+from tests.integration.conftest import Kube, wait_for
+from tests.integration.operator_fixtures import OperatorProcess, service_account_kubeconfig
+from tests.integration.test_operator import LEASE_NS, _token, create, ftj, phase_is, worker_pods
+
+
+@pytest.fixture(scope="module")
+def operator(control_plane: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[OperatorProcess]:
+    kubeconfig = service_account_kubeconfig(Path(control_plane.kubeconfig), tmp_path_factory.mktemp("sa") / "kubeconfig")
+    op = OperatorProcess(kubeconfig, tmp_path_factory.mktemp("operator-logs"), identity="op-obs", lease_namespace=LEASE_NS)
+    op.start()
+    yield op
+    op.stop()
+
+
+def samples(text: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+    return {(s.name, frozenset(s.labels.items())): s.value for fam in text_string_to_metric_families(text)
+            for s in fam.samples}
+
+
+def test_dashboard_and_alert_metrics_exist_after_a_job_ran(kube: Kube, namespace: str, operator: OperatorProcess) -> None:
+    create(kube, namespace, ftj("observed"))
+    wait_for("Running", lambda: phase_is(kube, namespace, "observed", "Running"), timeout=120)
+    pod = worker_pods(kube, namespace, "observed")[0]
+    token = _token(kube, namespace, pod, f"finetune.dev/progress/{namespace}/observed")
+    report = {"rank": 0,
+              "training": {"step": 40, "totalSteps": 100, "loss": 1.25, "evalLoss": 1.5, "tokensPerSecond": 12000.0,
+                           "mfu": 0.38, "etaSeconds": 900.0},
+              "network": {"transport": "efa", "provider": "efa", "healthy": True, "busBandwidthGBps": 21.5}}
+    code, text = operator.post(namespace, "observed", report, token)
+    assert code == 202, text
+
+    def scraped() -> dict[tuple[str, frozenset[tuple[str, str]]], float] | None:
+        s = samples(operator.metrics())
+        return s if {n for n, _ in s} >= {"finetune_job_mfu_ratio", "finetune_reconcile_total"} else None
+
+    got = wait_for("per-job series on /metrics", scraped, timeout=30)
+    assert isinstance(got, dict)
+    names = {n for n, _ in got}
+    used = metric_names(dashboard_queries()) | metric_names(rule_exprs())
+    assert used - names == set(), f"used by the dashboard/alerts but not on /metrics: {sorted(used - names)}"
+
+    job = frozenset({("namespace", namespace), ("name", "observed")})
+    assert got[("finetune_job_phase", job | {("phase", "Running")})] == 1.0
+    assert got[("finetune_job_phase", job | {("phase", "Failed")})] == 0.0
+    assert got[("finetune_job_network_transport_info", job | {("transport", "efa")})] == 1.0
+    assert got[("finetune_job_network_bus_bandwidth_bytes_per_second", job)] == pytest.approx(21.5e9)
+    assert got[("finetune_job_eval_loss", job)] == 1.5 and got[("finetune_job_mfu_ratio", job)] == 0.38
+    assert got[("finetune_job_eta_seconds", job)] == 900.0
+    assert got[("finetune_job_last_progress_timestamp_seconds", job)] > 1.7e9
+    assert got[("finetune_operator_leader", frozenset())] == 1.0
+    assert got[("finetune_workqueue_depth", frozenset())] >= 0

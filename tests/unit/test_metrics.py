@@ -1,0 +1,65 @@
+"""Per-job series of controller/metrics.py: values, label changes, removal, the series cap."""
+
+from __future__ import annotations
+
+import pytest
+from finetune_operator.controller.metrics import Metrics
+
+
+def sample(m: Metrics, metric: str, **labels: str) -> float | None:
+    return m.registry.get_sample_value(metric, labels)
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "metric", "expected"),
+    [
+        ("evalLoss", 0.75, "finetune_job_eval_loss", 0.75),
+        ("mfu", 0.41, "finetune_job_mfu_ratio", 0.41),
+        ("etaSeconds", 3600, "finetune_job_eta_seconds", 3600.0),
+        ("loss", 1.5, "finetune_job_loss", 1.5),
+    ],
+    ids=["eval-loss", "mfu", "eta", "loss"],
+)
+def test_training_fields_become_gauges(field: str, value: float, metric: str, expected: float) -> None:
+    m = Metrics(clock=lambda: 1000.0)
+    m.observe_progress("ml", "a", {field: value}, None)
+    assert sample(m, metric, namespace="ml", name="a") == expected
+    assert sample(m, "finetune_job_last_progress_timestamp_seconds", namespace="ml", name="a") == 1000.0
+
+
+def test_network_fields_and_transport_changes() -> None:
+    m = Metrics()
+    m.observe_progress("ml", "a", None, {"transport": "socket", "healthy": False, "busBandwidthGBps": 1.5})
+    assert sample(m, "finetune_job_network_healthy", namespace="ml", name="a") == 0.0
+    assert sample(m, "finetune_job_network_bus_bandwidth_bytes_per_second", namespace="ml", name="a") == 1.5e9
+    assert sample(m, "finetune_job_network_transport_info", namespace="ml", name="a", transport="socket") == 1.0
+    assert sample(m, "finetune_job_last_progress_timestamp_seconds", namespace="ml", name="a") is None  # no training
+    m.observe_progress("ml", "a", None, {"transport": "efa"})
+    assert sample(m, "finetune_job_network_transport_info", namespace="ml", name="a", transport="socket") is None
+    assert sample(m, "finetune_job_network_transport_info", namespace="ml", name="a", transport="efa") == 1.0
+
+
+def test_phase_series_is_one_hot_and_forget_removes_everything() -> None:
+    m = Metrics()
+    m.set_phase("ml", "a", "Provisioning")
+    m.set_phase("ml", "a", "Running")
+    assert sample(m, "finetune_job_phase", namespace="ml", name="a", phase="Running") == 1.0
+    assert sample(m, "finetune_job_phase", namespace="ml", name="a", phase="Provisioning") == 0.0
+    assert sample(m, "finetune_jobs", phase="Running") == 1.0
+    m.observe_progress("ml", "a", {"step": 3}, {"transport": "efa"})
+    m.forget("ml", "a")
+    text = [s for fam in m.registry.collect() for s in fam.samples if s.labels.get("name") == "a"]
+    assert text == []
+    assert sample(m, "finetune_jobs", phase="Running") == 0.0
+
+
+def test_jobs_past_the_cap_get_no_series_and_are_counted_once() -> None:
+    m = Metrics(max_jobs=1)
+    m.set_phase("ml", "a", "Running")
+    for _ in range(3):
+        m.set_phase("ml", "b", "Running")
+        m.observe_progress("ml", "b", {"step": 1}, None)
+    assert sample(m, "finetune_job_phase", namespace="ml", name="b", phase="Running") is None
+    assert sample(m, "finetune_jobs_without_series") == 1.0
+    m.forget("ml", "b")
+    assert sample(m, "finetune_jobs_without_series") == 0.0

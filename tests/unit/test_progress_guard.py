@@ -1,0 +1,132 @@
+"""The progress endpoint's flood defences (controller/progress_guard.py): bounded caches, token buckets,
+the cheap plausibility filter. Pure, with a fake clock."""
+
+from __future__ import annotations
+
+import base64
+import json
+
+import pytest
+from finetune_operator.controller.metrics import Metrics
+from finetune_operator.controller.progress import ProgressServer
+from finetune_operator.controller.progress_guard import Limits, ReviewLimiter, TokenBucket, TTLCache, implausible
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_ttl_cache_expires_and_evicts_least_recently_used() -> None:
+    clock = Clock()
+    cache: TTLCache[int] = TTLCache(max_entries=2, clock=clock)
+    cache.put("a", 1, ttl=10)
+    cache.put("b", 2, ttl=10)
+    assert cache.get("a") == 1  # a is now the most recently used
+    cache.put("c", 3, ttl=10)
+    assert (cache.get("a"), cache.get("b"), cache.get("c"), len(cache), cache.evictions) == (1, None, 3, 2, 1)
+    clock.now = 11
+    assert cache.get("a") is None and len(cache) == 1
+
+
+def test_token_bucket_refills_at_its_rate() -> None:
+    clock = Clock()
+    bucket = TokenBucket(rate=2, burst=3, clock=clock)
+    assert [bucket.take() for _ in range(4)] == [True, True, True, False]
+    clock.now = 0.5
+    assert [bucket.take() for _ in range(2)] == [True, False]
+
+
+def test_limiter_is_per_client_and_overall() -> None:
+    clock = Clock()
+    limiter = ReviewLimiter(Limits(reviews_per_second=1, reviews_burst=5, client_reviews_per_second=1,
+                                   client_reviews_burst=2, max_clients=2), clock)
+    assert [limiter.allow("flood") for _ in range(4)] == [True, True, False, False]
+    assert [limiter.allow("pod") for _ in range(2)] == [True, True]  # another client has its own bucket
+    assert limiter.allow("third") is True  # overall burst: 5 allowed in total
+    assert limiter.allow("fourth") is False and len(limiter.clients) == 2  # bounded
+    assert limiter.refused == 3
+
+
+def _jwt(claims: dict[str, object]) -> str:
+    body = base64.urlsafe_b64encode(json.dumps(claims).encode()).decode().rstrip("=")
+    return f"eyJhbGciOiJSUzI1NiJ9.{body}.c2ln"
+
+
+PLAUSIBLE = [
+    ("garbage", "not-a-token", "not a JWT"),
+    ("two-parts", "a.b", "not a JWT"),
+    ("bad-base64-json", "a.!!!.c", "not a JWT"),
+    ("expired", _jwt({"aud": ["finetune.dev/progress/ns/a"], "exp": 10}), "token expired"),
+    ("api-server-audience", _jwt({"aud": ["https://kubernetes.default.svc"], "exp": 10**12}), "no finetune.dev/progress"),
+    ("plausible", _jwt({"aud": ["finetune.dev/progress/ns/a"], "exp": 10**12}), None),
+]
+
+
+@pytest.mark.parametrize(("token", "why"), [p[1:] for p in PLAUSIBLE], ids=[p[0] for p in PLAUSIBLE])
+def test_implausible_tokens_never_reach_the_api_server(token: str, why: str | None) -> None:
+    got = implausible(token, now=1000.0)
+    assert (got is None) if why is None else (got is not None and why in got)
+
+
+class StubKube:
+    """Stands in for the API server in these unit tests only (the real TokenReview path is covered by
+    tests/integration/test_operator.py): counts TokenReviews, rejects every token, records status patches."""
+
+    def __init__(self) -> None:
+        self.reviews = 0
+        self.patches: list[tuple[str, str, dict[str, object]]] = []
+
+    def token_review(self, token: str, audiences: list[str]) -> dict[str, object]:
+        self.reviews += 1
+        return {"authenticated": False, "error": "invalid bearer token"}
+
+    def patch_status(self, ns: str, name: str, patch: dict[str, object]) -> dict[str, object]:
+        self.patches.append((ns, name, patch))
+        return {}
+
+
+def _server(kube: StubKube, flushed: list[str] | None = None, **limits: float) -> ProgressServer:
+    sink = flushed if flushed is not None else []
+    return ProgressServer(kube, Metrics(), on_flushed=lambda ns, n: sink.append(n),  # type: ignore[arg-type]
+                          limits=Limits(**limits))
+
+
+def test_a_repeated_forged_token_costs_one_token_review_and_garbage_costs_none() -> None:
+    kube = StubKube()
+    server = _server(kube)
+    forged = _jwt({"aud": ["finetune.dev/progress/ns/a"], "exp": 10**12})
+    codes = [server.authorize(forged, "ns", "a", "10.0.0.9").code for _ in range(50)]
+    assert set(codes) == {401} and kube.reviews == 1
+    assert server.authorize("garbage", "ns", "a", "10.0.0.9").code == 401 and kube.reviews == 1
+
+
+def test_fresh_forged_tokens_are_rate_limited_per_client() -> None:
+    kube = StubKube()
+    server = _server(kube, client_reviews_per_second=0.001, client_reviews_burst=3)
+    codes = [server.authorize(_jwt({"aud": ["finetune.dev/progress/ns/a"], "exp": 10**12, "n": i}),
+                              "ns", "a", "10.0.0.9").code for i in range(10)]
+    assert codes == [401] * 3 + [429] * 7 and kube.reviews == 3
+    # Another client (a genuine pod) still gets its token looked at.
+    server.authorize(_jwt({"aud": ["finetune.dev/progress/ns/a"], "exp": 10**12, "n": "pod"}), "ns", "a", "10.0.0.7")
+    assert kube.reviews == 4
+
+
+def test_reconcile_after_a_flush_only_when_the_network_changed() -> None:
+    from finetune_operator.api.status import ProgressReport
+
+    kube, flushed = StubKube(), []
+    server = _server(kube, flushed)
+    report = ProgressReport.model_validate({"rank": 0, "training": {"step": 1}, "network": {"transport": "efa", "healthy": True}})
+    server.accept("ns", "a", report)
+    server.flush_once()
+    for step in (2, 3):
+        server.accept("ns", "a", ProgressReport.model_validate({"rank": 0, "training": {"step": step}}))
+        server.flush_once()
+    assert len(kube.patches) == 3 and flushed == ["a"]  # three status writes, one reconcile
+    server.accept("ns", "a", ProgressReport.model_validate({"network": {"transport": "socket", "healthy": False}}))
+    server.flush_once()
+    assert flushed == ["a", "a"]
