@@ -1,8 +1,8 @@
 """Lifecycle defects, on the real control plane with the real KubeRay operator (kwok plays kubelet).
 
 - A finished job never runs again: a RayJob the operator created and recorded (status.rayJobUID) that
-  disappears -- KubeRay's DELETE_RAYJOB_CR_AFTER_JOB_FINISHES, a manual delete, the operator down while
-  the job completes -- is never re-created; the outcome is decided from what is known.
+  disappears -- KubeRay deleting it (its DeleteSelf deletion rule), a manual delete, the operator down
+  while the job completes -- is never re-created; the outcome is decided from what is known.
 - Delete-and-recreate with the same name waits for the previous incarnation's children.
 
 The one simulated step (as in test_operator.py): kwok pods run no Ray, so a Ray job cannot finish; the
@@ -94,16 +94,6 @@ def kuberay_ready(cluster: Any) -> bool:
         return False
 
 
-@pytest.fixture(scope="module")
-def kuberay_deletes_finished_rayjobs(control_plane: Any) -> Iterator[None]:
-    """The KubeRay operator with DELETE_RAYJOB_CR_AFTER_JOB_FINISHES=true (restored afterwards)."""
-    restart_component(control_plane, "ray-operator", {"DELETE_RAYJOB_CR_AFTER_JOB_FINISHES": "true"})
-    wait_for("KubeRay ready", lambda: kuberay_ready(control_plane), timeout=60)
-    yield
-    restart_component(control_plane, "ray-operator", {"DELETE_RAYJOB_CR_AFTER_JOB_FINISHES": "false"})
-    wait_for("KubeRay ready", lambda: kuberay_ready(control_plane), timeout=60)
-
-
 # ----------------------------------------------------------------------------------------- helpers
 
 
@@ -116,6 +106,19 @@ def complete_rayjob(kube: Kube, ns: str, name: str, job_status: str = "SUCCEEDED
         {"status": {"jobStatus": job_status, "jobDeploymentStatus": deploy, "endTime": now}},
         _content_type="application/merge-patch+json",
     )
+
+
+def kuberay_deletes_it_when_done(kube: Kube, ns: str, name: str) -> None:
+    """Add KubeRay's DeleteSelf deletion rule (TTL 0) to the RayJob, so KubeRay itself deletes it the moment
+    it succeeds, as a platform's policy or a former render could. (KubeRay v1.6.1's older switch,
+    DELETE_RAYJOB_CR_AFTER_JOB_FINISHES=true, has no effect on RayJobs that carry deletionRules, as the
+    rendered ones do: `handleDeletionRules` takes precedence over `handleShutdownAfterJobFinishes`.)"""
+    rj = kube.custom.get_namespaced_custom_object("ray.io", "v1", ns, "rayjobs", name)
+    rules = [*rj["spec"]["deletionStrategy"]["deletionRules"],
+             {"policy": "DeleteSelf", "condition": {"jobStatus": "SUCCEEDED", "ttlSeconds": 0}}]
+    kube.custom.patch_namespaced_custom_object("ray.io", "v1", ns, "rayjobs", name,
+                                               {"spec": {"deletionStrategy": {"deletionRules": rules}}},
+                                               _content_type="application/merge-patch+json")
 
 
 def report_done(kube: Kube, ns: str, name: str, operator: OperatorProcess, step: int = 50) -> None:
@@ -179,10 +182,10 @@ def test_rayjob_deleted_after_the_training_reported_done_is_succeeded(kube: Kube
         r["metadata"].get("deletionTimestamp") for r in rayjobs(kube, namespace)), 6)
 
 
-def test_kuberay_deletes_the_finished_rayjob_at_once(kube: Kube, namespace: str, operator: OperatorProcess,
-                                                      kuberay_deletes_finished_rayjobs: None) -> None:
+def test_kuberay_deletes_the_finished_rayjob_at_once(kube: Kube, namespace: str, operator: OperatorProcess) -> None:
     create(kube, namespace, ftj("ttl0"))
     running_with_uid(kube, namespace, "ttl0")
+    kuberay_deletes_it_when_done(kube, namespace, "ttl0")
     complete_rayjob(kube, namespace, "ttl0")
     wait_for("KubeRay deleted the finished RayJob", lambda: no_rayjob(kube, namespace), timeout=60)
     st = wait_for("Succeeded", lambda: phase_is(kube, namespace, "ttl0", "Succeeded"), timeout=60)
@@ -191,11 +194,13 @@ def test_kuberay_deletes_the_finished_rayjob_at_once(kube: Kube, namespace: str,
 
 
 def test_operator_down_while_the_job_completes_and_kuberay_deletes_it(
-        kube: Kube, namespace: str, operator: OperatorProcess, kuberay_deletes_finished_rayjobs: None) -> None:
+        kube: Kube, namespace: str, operator: OperatorProcess) -> None:
     create(kube, namespace, ftj("offline"))
     running_with_uid(kube, namespace, "offline")
     create(kube, namespace, ftj("silent"))  # no GPU nodes left for it: it stays Provisioning
     wait_for("silent's RayJob recorded", lambda: status(kube, namespace, "silent").get("rayJobUID"), timeout=60)
+    for name in ("offline", "silent"):
+        kuberay_deletes_it_when_done(kube, namespace, name)
     report_done(kube, namespace, "offline", operator)
     operator.kill()  # down during completion: it sees neither the terminal state nor the deletion
     try:
@@ -281,6 +286,7 @@ def test_a_paused_leader_writes_nothing_after_a_standby_took_over(
         create(kube, namespace, ftj("fence"))
         running_with_uid(kube, namespace, "fence")
         b.start(wait_ready=False)
+        wait_for("B serving as a standby", lambda: b.readyz() == 503, timeout=60)
         pod = worker_pods(kube, namespace, "fence")[0]
         token = _token(kube, namespace, pod, f"finetune.dev/progress/{namespace}/fence")
         code, text = a.post(namespace, "fence", {"rank": 0, "training": {"step": 7, "totalSteps": 50}}, token)

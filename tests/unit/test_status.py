@@ -209,6 +209,34 @@ def test_a_previous_incarnations_child_blocks_until_it_is_gone() -> None:
     assert action.apply and action.blocked is None
 
 
+def _rayjob(uid: str | None, changed: bool = False) -> dict[str, Any] | None:
+    if uid is None:
+        return None
+    obj = with_hash({"apiVersion": "ray.io/v1", "kind": "RayJob", "metadata": {"name": "j"},
+                     "spec": {"entrypoint": "old" if changed else "train"}})
+    obj["metadata"].update(uid=uid, ownerReferences=[{"uid": "owner"}])
+    return obj
+
+
+@pytest.mark.parametrize(
+    ("observed_uid", "changed", "apply", "lost", "pinned"),
+    [
+        (None, False, False, True, None),  # recorded, then deleted (KubeRay, a user): never re-created
+        ("other", False, False, True, None),  # someone else's RayJob of that name now: not ours either
+        ("rec", False, False, False, "rec"),  # ours, unchanged: nothing to do
+        ("rec", True, True, False, "rec"),  # ours, changed: updated with the UID in the body, so a
+        # RayJob deleted after it was observed makes the apply fail (409), never creates another
+    ],
+    ids=["gone", "replaced", "unchanged", "update-pinned"],
+)
+def test_a_recorded_rayjob_is_never_created_again(observed_uid: str | None, changed: bool, apply: bool,
+                                                  lost: bool, pinned: str | None) -> None:
+    desired = [{"apiVersion": "ray.io/v1", "kind": "RayJob", "metadata": {"name": "j"}, "spec": {"entrypoint": "train"}}]
+    (action,) = plan_children(desired, {"j": _rayjob(observed_uid, changed)}, "owner", {"j": "rec"})
+    assert (action.apply, action.lost, action.obj["metadata"].get("uid")) == (apply, lost, pinned)
+    assert action.obj["metadata"]["annotations"] == with_hash(desired[0])["metadata"]["annotations"]
+
+
 def test_blocked_is_not_terminal_and_clears() -> None:
     st = derive(Observed(blocked=("WaitingForPreviousChild", "RayJob j still belongs to a previous FinetuneJob")))
     assert st["phase"] == "Pending" and cond(st, "Blocked")["status"] == "True"

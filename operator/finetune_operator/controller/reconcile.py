@@ -65,9 +65,10 @@ def with_hash(obj: Obj) -> Obj:
 
 @dataclass(frozen=True)
 class ChildAction:
-    obj: Obj  # desired, with hash annotation
+    obj: Obj  # desired, with hash annotation (and the recorded UID, if any)
     apply: bool  # False: observed already matches (or is going away)
     blocked: tuple[str, str] | None = None  # (reason, message): wait, do not touch it
+    lost: bool = False  # the recorded child is gone: never re-created
 
 
 def owned_by(obj: Obj | None, owner_uid: str) -> bool:
@@ -88,13 +89,24 @@ def _blocked_by(obj: Obj, cur: Obj, job_name: str) -> tuple[str, str]:
     return "ChildConflict", f"{what} already exists and is not owned by this FinetuneJob; delete or rename it"
 
 
-def plan_children(desired: list[Obj], observed: Mapping[str, Obj | None], owner_uid: str) -> list[ChildAction]:
-    """Pure: which children to (re)apply. `observed` is keyed by child name."""
+def plan_children(desired: list[Obj], observed: Mapping[str, Obj | None], owner_uid: str,
+                  recorded: Mapping[str, str] | None = None) -> list[ChildAction]:
+    """Pure: which children to (re)apply. `observed` and `recorded` (UIDs in status) are keyed by child name.
+
+    A recorded child is applied with its UID in the body: server-side apply then only ever updates that
+    very object, and answers 409 instead of creating a new one if it vanished after it was observed
+    (apply is create-or-update). A recorded child that is not there is lost, not re-created."""
     actions = []
     for obj in desired:
         want = with_hash(obj)
         name = obj["metadata"]["name"]
         cur = observed.get(name)
+        pinned = (recorded or {}).get(name)
+        if pinned:
+            if cur is None or cur["metadata"].get("uid") != pinned:
+                actions.append(ChildAction(want, False, lost=True))
+                continue
+            want["metadata"]["uid"] = pinned  # after the hash: the hash covers only what was rendered
         if cur is None:
             actions.append(ChildAction(want, True))
             continue
@@ -298,12 +310,11 @@ class Reconciler:
         ns = job.metadata.namespace or "default"
         uid = job.metadata.uid or ""
         recorded = prev.get("rayJobUID")
+        rayjob_now: Obj | None = None
         if recorded:
-            rj = self.kube.get(RAYJOB, ns, names["rayJob"])
-            if rj is None or rj["metadata"].get("uid") != recorded:
-                # Our RayJob is gone. Never create another one: that would run the training again.
-                observed.rayjob_lost = True
-                observed.last_rayjob_status = self.final_rayjob_status.get(recorded)
+            rayjob_now = self.kube.get(RAYJOB, ns, names["rayJob"])
+            if rayjob_now is None or rayjob_now["metadata"].get("uid") != recorded:
+                self._lost(ns, job.metadata.name, names, recorded, observed)
                 return
         if prev.get("rayJobName") != names["rayJob"]:
             # Record the child names before creating anything: a crash between create and record can
@@ -319,18 +330,32 @@ class Reconciler:
         for obj in [o for o in desired if is_shared(o)]:
             ensure_shared(self.kube, obj)
         desired = [o for o in desired if not is_shared(o)]
-        current = {o["metadata"]["name"]: self.kube.get(gvr_of(o), ns, o["metadata"]["name"]) for o in desired}
-        for action in plan_children(desired, current, uid):
+        # The RayJob observed above is the one judged: a second GET could see it gone and lead to its
+        # re-creation (apply is create-or-update); the recorded UID in the apply body closes that race.
+        current = {o["metadata"]["name"]: rayjob_now if recorded and o["metadata"]["name"] == names["rayJob"]
+                   else self.kube.get(gvr_of(o), ns, o["metadata"]["name"]) for o in desired}
+        pins = {names["rayJob"]: str(recorded)} if recorded else {}
+        for action in plan_children(desired, current, uid, pins):
             if action.blocked:
                 observed.blocked = action.blocked
                 return
             name = action.obj["metadata"]["name"]
+            if action.lost:
+                self._lost(ns, job.metadata.name, names, str(recorded), observed)
+                return
             if action.apply:
                 try:
+                    log.info("%s/%s: applying %s %s (%s)", ns, job.metadata.name, action.obj["kind"], name,
+                             "update" if current[name] is not None else "create")
                     current[name] = self.kube.apply(action.obj)
                 except ApiError as err:
                     if err.status == 403 and "being terminated" in err.message:
                         return  # the namespace is going away, and this job with it
+                    if err.status == 409 and name in pins:
+                        # The recorded RayJob vanished between the GET and the apply (the UID made the
+                        # apply fail instead of creating a new one): it is lost.
+                        self._lost(ns, job.metadata.name, names, pins[name], observed)
+                        return
                     if err.status in (400, 422):
                         # Admission (a policy, a webhook, a KubeRay CRD of another version) refused it. The
                         # cause can go away: not terminal, retried.
@@ -344,6 +369,12 @@ class Reconciler:
                 self.kube.patch_status(ns, job.metadata.name, {"rayJobUID": recorded})
                 prev["rayJobUID"] = recorded
         observed.rayjob = current.get(names["rayJob"])
+
+    def _lost(self, ns: str, name: str, names: dict[str, str], recorded: str, observed: Observed) -> None:
+        """Our RayJob is gone. Never create another one: that would run the training again."""
+        observed.rayjob_lost = True
+        observed.last_rayjob_status = self.final_rayjob_status.get(recorded)
+        log.info("%s/%s: RayJob %s (uid %s) is gone; not re-created", ns, name, names["rayJob"], recorded)
 
     def _write_status(self, body: Obj, prev: Obj, new: Obj) -> None:
         meta = body["metadata"]
