@@ -333,6 +333,7 @@ def test_training_runtime_reports_through_the_progress_channel(kube: Kube, names
     st = wait_for("final step in status", lambda: (s := status(kube, namespace, "e2e")).get("step") == "6/6" and s,
                   timeout=30)
     training = st["training"]  # type: ignore[index]
+    assert st["attempt"] == 1  # type: ignore[index]  # the Ray pods the token is bound to were never replaced
     assert training["loss"] > 0 and training["tokensPerSecond"] > 0
     assert st["network"]["transport"] == "gloo"  # type: ignore[index]  # honest on CPU
     row = kubectl(kube, "get", "ftj", "e2e", "-n", namespace).splitlines()[1].split()

@@ -432,3 +432,17 @@ def test_run_probe_on_cpu_reports_gloo_and_fails_fast_when_efa_is_required(proce
                        match=r"network.requireEFA \(caught by the probe\): NCCL is not using EFA \(transport gloo") as e:
         N.run_probe(torch.device("cpu"), efa_expected=True, require_efa=True, nodes=1)
     assert e.value.health is not None and e.value.health.healthy is False
+
+
+@pytest.mark.parametrize(
+    ("backend", "device", "expected"),
+    [
+        ("nccl", "cuda", "nccl"),
+        ("gloo", "cpu", "gloo"),
+        # cpuOffload's process group: one backend per device type (FSDP2 reduces offloaded grads on CPU).
+        ("cpu:gloo,cuda:nccl", "cuda", "nccl"),
+        ("cpu:gloo,cuda:nccl", "cpu", "gloo"),
+    ],
+)
+def test_backend_for_the_probe_device(backend: str, device: str, expected: str) -> None:
+    assert N.backend_for(backend, device) == expected

@@ -493,12 +493,21 @@ def time_allreduce(nbytes: int, device: Any, iters: int = 5, warmup: int = 2) ->
     return (time.perf_counter() - t0) / iters
 
 
+def backend_for(backend: str, device_type: str) -> str:
+    """The backend that carries collectives on this device. A process group made for cpuOffload reports
+    ``cpu:gloo,cuda:nccl`` (one backend per device type); a plain one reports ``nccl`` or ``gloo``."""
+    if ":" not in backend:
+        return backend
+    per_device = dict(part.split(":", 1) for part in backend.split(",") if ":" in part)
+    return per_device.get(device_type) or next(iter(per_device.values()), backend)
+
+
 def run_probe(device: Any, *, efa_expected: bool, require_efa: bool, nodes: int) -> NetworkHealth:
     """Collective over all ranks. Raises NetworkProbeError on every rank if requireEFA is violated or NCCL
     does not come up."""
     import torch.distributed as dist
 
-    backend = dist.get_backend()
+    backend = backend_for(str(dist.get_backend()), device.type)  # the probe's all-reduce runs on `device`
     world = dist.get_world_size()
     log_pattern = os.environ.get("NCCL_DEBUG_FILE") if backend == "nccl" else None
     pinned = os.environ.get("NCCL_NET") if backend == "nccl" else None

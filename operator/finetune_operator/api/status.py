@@ -61,7 +61,7 @@ class NetworkHealth(StatusModel):
     """Outcome of the NCCL/EFA probe the training runtime runs at start."""
 
     transport: str | None = Field(
-        default=None, description="What carries inter-node collectives: efa, socket, gloo, nvlink-only, unknown."
+        default=None, description="What carries inter-node collectives: efa, socket, gloo, intra-node (one node: NVLink/P2P/SHM, nothing crossed the network), unknown."
     )
     provider: str | None = Field(default=None, description="libfabric provider NCCL selected (efa, tcp, ...).")
     plugin_version: str | None = Field(default=None, description="aws-ofi-nccl plugin version, if loaded.")

@@ -40,6 +40,9 @@ from . import build, nodes, pki
 from . import node as realnode
 from .versions import KUBERNETES_VERSION
 
+# The app.kubernetes.io/component label of the submitter pods the operator renders (render/rayjob.py).
+SUBMITTER_COMPONENT = "submitter"
+
 SERVICE_CIDR = "10.96.0.0/16"
 SERVICE_IP = "10.96.0.1"  # first address of SERVICE_CIDR: the `kubernetes` Service
 POD_CIDR = "10.244.0.1/16"
@@ -368,7 +371,7 @@ class DevCluster:
             [
                 str(bins["kwok"]),
                 f"--kubeconfig={kc}",
-                *[f"--config={p}" for p in build.kwok_stages()],
+                *[f"--config={p}" for p in self._kwok_stages()],
                 f"--manage-nodes-with-annotation-selector={nodes.KWOK_ANNOTATION}=fake",
                 "--node-lease-duration-seconds=40",
                 f"--cidr={POD_CIDR}",
@@ -560,6 +563,28 @@ class DevCluster:
     def crd_files(self) -> list[Path]:
         files = [f for d in self.crd_dirs for f in sorted(Path(d).glob("*.yaml")) + sorted(Path(d).glob("*.yml"))]
         return files + build.kuberay_crds()
+
+    def _kwok_stages(self) -> list[Path]:
+        """kwok's stages, with one change: a RayJob's submitter pod is never completed by kwok.
+
+        A real submitter runs `ray job submit` and follows the Ray job's logs until it ends. kwok runs
+        nothing, so its pod-complete stage would end every Job's pod within seconds; KubeRay would then
+        see a submitter that finished while the Ray job never did, retry the whole RayJob after 30 s
+        (JobDeploymentStatusTransitionGracePeriodExceeded) and replace the Ray pods under the test.
+        On kwok a submitter therefore keeps running, as it does while a real training runs.
+        """
+        out: list[Path] = []
+        for path in build.kwok_stages():
+            if path.name == "pod-complete.yaml":
+                stage = yaml.safe_load(path.read_text())
+                stage["spec"]["selector"]["matchExpressions"].append(
+                    {"key": '.metadata.labels["app.kubernetes.io/component"]', "operator": "NotIn",
+                     "values": [SUBMITTER_COMPONENT]}
+                )
+                path = self.workdir / "kwok-pod-complete.yaml"
+                path.write_text(yaml.safe_dump(stage, sort_keys=False))
+            out.append(path)
+        return out
 
     def _install_crds(self, api: _Api, deadline: float) -> None:
         docs = []
