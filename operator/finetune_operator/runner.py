@@ -40,6 +40,8 @@ def register(sub: Any) -> None:
     p.add_argument("--leader-elect", action=argparse.BooleanOptionalAction, default=True, help="take a Lease before acting")
     p.add_argument("--lease-namespace", default=os.environ.get("POD_NAMESPACE", "default"))
     p.add_argument("--lease-name", default="finetune-operator-leader")
+    p.add_argument("--lease-duration", type=int, default=30,
+                   help="seconds a leader's Lease lasts (renewed every third of it; API calls time out by then)")
     p.add_argument("--submitter-image", default=None,
                    help="image of the pod that runs `ray job submit` ({rayVersion} is replaced; default: a Ray CPU image)")
     p.add_argument("--config-namespace", default=os.environ.get("POD_NAMESPACE", "finetune-system"),
@@ -85,7 +87,8 @@ async def run(args: argparse.Namespace) -> int:
     from .render.config import RenderConfig
 
     api = load_config(args.kubeconfig)
-    kube = Kube(api)
+    # API calls end within a third of the lease, so a call never outlives the leadership it began in.
+    kube = Kube(api, timeout=min(10.0, args.lease_duration / 3))
     metrics = Metrics()
     progress_ca = Path(args.progress_ca).read_text() if args.progress_ca else None
     render_cfg = RenderConfig(progress_url=args.progress_url, progress_ca=progress_ca)
@@ -119,7 +122,9 @@ async def run(args: argparse.Namespace) -> int:
 
     elector = None
     if args.leader_elect:
-        elector = LeaderElector(kube, args.lease_namespace, args.lease_name, args.identity)
+        elector = LeaderElector(kube, args.lease_namespace, args.lease_name, args.identity,
+                                lease_seconds=args.lease_duration, renew_seconds=args.lease_duration / 3,
+                                retry_seconds=min(5.0, args.lease_duration / 6))
         kube.may_write = elector.may_write  # fencing: no write unless the Lease surely is still ours
         if args.pod_name:
             await asyncio.to_thread(label_own_pod, kube, args.lease_namespace, args.pod_name, False)

@@ -40,6 +40,9 @@ from tests.integration.test_operator import (
     worker_pods,
 )
 
+# Failover tests wait for a Lease to expire: a 12 s lease (renewed every 4 s, API calls time out after 4 s)
+# instead of the default 30 s keeps them short; the fencing arithmetic is the same.
+SHORT_LEASE = ["--lease-duration", "12"]
 HOLD = "test.finetune.dev/hold"  # a finalizer this test holds, like KubeRay's on a slow deletion
 
 
@@ -279,8 +282,9 @@ def test_a_paused_leader_writes_nothing_after_a_standby_took_over(
     operator.stop()  # releases the Lease
     # Leader A keeps progress in memory (a flush interval longer than the test); B flushes every second.
     a = OperatorProcess(operator_kubeconfig, tmp_path, identity="op-fence-a", lease_namespace=LEASE_NS,
-                        extra_args=["--flush-interval", "600"])
-    b = OperatorProcess(operator_kubeconfig, tmp_path, identity="op-fence-b", lease_namespace=LEASE_NS)
+                        extra_args=["--flush-interval", "600", *SHORT_LEASE])
+    b = OperatorProcess(operator_kubeconfig, tmp_path, identity="op-fence-b", lease_namespace=LEASE_NS,
+                        extra_args=SHORT_LEASE)
     try:
         a.start()
         create(kube, namespace, ftj("fence"))
@@ -415,9 +419,9 @@ def test_the_service_routes_progress_to_the_leader_only(kube: Kube, operator: Op
 
         operator.stop()  # the module's operator releases the Lease; A and B compete for it
         a = OperatorProcess(operator_kubeconfig, tmp_path, identity=pod_a.metadata.name, lease_namespace=ns,
-                            extra_args=["--pod-name", pod_a.metadata.name])
+                            extra_args=["--pod-name", pod_a.metadata.name, *SHORT_LEASE])
         b = OperatorProcess(operator_kubeconfig, tmp_path, identity=pod_b.metadata.name, lease_namespace=ns,
-                            extra_args=["--pod-name", pod_b.metadata.name])
+                            extra_args=["--pod-name", pod_b.metadata.name, *SHORT_LEASE])
         procs += [a, b]
         a.start()
         b.start(wait_ready=False)
