@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 import yaml
+from finetune_operator.instance_types import from_params
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "deploy" / "helm" / "finetune-operator"
@@ -24,7 +25,9 @@ SCENARIOS: dict[str, list[str]] = {
                    "--set", "progress.tls.secretName=finetune-operator-tls",
                    "--set", "policy.allowedImages={public.ecr.aws/deep-learning-containers/ray:*}",
                    "--set", "policy.allowedServiceAccounts={default,trainer}",
-                   "--set", "image.digest=sha256:" + "0" * 64, "--set", "replicas=3"],
+                   "--set", "image.digest=sha256:" + "0" * 64, "--set", "replicas=3",
+                   "--set-json", 'instanceTypes={"g6e.12xlarge": {"gpus": 4, "efaInterfaces": 1, "allocatableCPU": '
+                   '"47810m", "allocatableMemory": "356000Mi", "gpuModel": "L40S"}}'],
     "namespaced": ["--set", "rbac.scope=namespaces", "--set", "rbac.namespaces={team-a,team-b}"],
     "other-namespace": [],  # rendered into NS_OTHER: nothing may still name finetune-system
 }
@@ -165,6 +168,9 @@ def test_everything_scenario_wires_tls_metrics_and_policy(helm: Path) -> None:
     assert board["data"]["finetune-dashboard.json"] == (ROOT / "deploy/observability/finetune-dashboard.json").read_text().rstrip("\n")
     policy = objs[("ConfigMap", NS, "finetune-operator-policy")]
     assert policy["data"]["allowedServiceAccounts"].split() == ["default", "trainer"]
+    extra = objs[("ConfigMap", NS, "finetune-instance-types-extra")]
+    assert extra["metadata"]["labels"]["finetune.dev/instance-types"] == "true"
+    assert from_params(extra["data"], "extra")["g6e.12xlarge"].gpus == 4  # what the operator reads
     endpoint = objs[("PodMonitor", NS, "finetune-operator")]["spec"]["podMetricsEndpoints"][0]
     assert endpoint["scheme"] == "https"
     assert endpoint["tlsConfig"]["ca"]["secret"] == {"name": "finetune-operator-tls", "key": "ca.crt"}
@@ -202,12 +208,13 @@ def test_service_routes_to_the_leader_and_every_replica_is_ready(helm: Path) -> 
         (["--set", "image.pullPolicy=Sometimes"], "/image/pullPolicy"),
         (["--set", "metrics.podMonitor.interval=soon"], "/metrics/podMonitor/interval"),
         (["--set", "progress.tls.caKey=../ca"], "/progress/tls/caKey"),
+        (["--set", "instanceTypes.g6e\\.12xlarge.gpus=4"], "/instanceTypes/g6e.12xlarge"),
         (["--set", "imagePullPolicy=Always"], "imagePullPolicy"),
         (["--set", "progress.tls.enabled=true"], "progress.tls.secretName: required"),
         (["--set", "rbac.scope=namespaces"], "rbac.namespaces: list at least one namespace"),
     ],
-    ids=["replicas", "scope", "namespace-name", "pull-policy", "interval", "ca-key", "unknown-key", "tls-secret",
-         "no-namespaces"],
+    ids=["replicas", "scope", "namespace-name", "pull-policy", "interval", "ca-key", "instance-type-figures",
+         "unknown-key", "tls-secret", "no-namespaces"],
 )
 def test_bad_values_are_rejected_with_the_field_named(helm: Path, args: list[str], message: str) -> None:
     res = helm_run(helm, "template", "x", str(CHART), "--namespace", NS, *args)

@@ -121,8 +121,14 @@ def test_install_upgrade_uninstall(helm_cli: Helm, kube: Kube, monitoring_crds: 
     # kubectl still co-owns the fields it applied with the same values: changing them takes --force-conflicts.
     helm_cli("upgrade", RELEASE, str(CHART), "-n", NS, "--wait", "--timeout", "3m", "--reuse-values", "--force-conflicts",
              "--set", "replicas=1", "--set", "metrics.dashboard.enabled=true", "--set", "operator.workers=8",
-             "--set", "policy.allowedImages={public.ecr.aws/deep-learning-containers/ray:*,registry.example/ray:*}")
+             "--set", "policy.allowedImages={public.ecr.aws/deep-learning-containers/ray:*,registry.example/ray:*}",
+             "--set-json", 'instanceTypes={"g6e.12xlarge": {"gpus": 4, "efaInterfaces": 1, "allocatableCPU": "47810m", '
+             '"allocatableMemory": "356000Mi", "gpuModel": "L40S"}}')
     wait_for("the upgraded allow-list admits registry.example", lambda: _admitted(kube, mine), timeout=30)
+    err = denial(dry_create(kube, "default", job("too-big-g6e", cluster__instanceType="g6e.12xlarge",
+                                                 cluster__workers={"replicas": 2, "gpusPerWorker": 8},
+                                                 training__globalBatchSize=64)))
+    assert "8 GPUs per worker do not fit g6e.12xlarge (4 GPUs per node)" in err.body, err.body
     dep = _deployment(kube)
     assert dep.spec.replicas == 1
     assert "--workers=8" in dep.spec.template.spec.containers[0].args
