@@ -306,6 +306,18 @@ def finish_rayjob(kube: Kube, ns: str, name: str, succeeded: bool) -> None:
                                                       _content_type="application/merge-patch+json")
 
 
+def sync_job(kube: Kube, app: str, job: str, revision: str) -> None:
+    """What `argocd app sync APP --resource finetune.dev:FinetuneJob:JOB --replace --force` asks for:
+    argocd-server writes this operation to the Application (server/application/application.go, Sync)."""
+    source = get_app(kube, app)["spec"]["source"]
+    kube.custom.patch_namespaced_custom_object(*APPS, app, {"operation": {
+        "initiatedBy": {"username": "test"},
+        "sync": {"source": source, "revision": revision, "syncOptions": ["Replace=true"],
+                 "syncStrategy": {"hook": {"force": True}},
+                 "resources": [{"group": G, "kind": "FinetuneJob", "name": job}]},
+    }}, _content_type="application/merge-patch+json")
+
+
 def small_job(name: str) -> dict[str, Any]:
     """The train-then-serve example's FinetuneJob (wave 0), renamed."""
     doc = yaml.safe_load((EXAMPLES / "train-then-serve" / "finetunejob.yaml").read_text())
@@ -386,7 +398,8 @@ def test_failed_job_is_degraded_and_wave_1_never_runs(kube: Kube, namespace: str
 def test_changing_a_job_in_git(kube: Kube, namespace: str, argocd: ArgoCD, operator: OperatorProcess,
                                repo: GitRepo) -> None:
     """Mutable edits sync without disturbing the run; an immutable edit fails the sync (after Argo CD's
-    retries) with our message and leaves the job alone; Replace=true,Force=true re-runs it."""
+    retries) with our message and leaves the job alone; a one-off sync of the job with Replace and Force
+    re-runs it, and leaves nothing behind that would re-run it again."""
     job = "edit-me"
     doc = small_job(job)
     repo.write("jobs/ftj.yaml", [doc])
@@ -439,21 +452,33 @@ def test_changing_a_job_in_git(kube: Kube, namespace: str, argocd: ArgoCD, opera
         (rj,) = rayjobs(kube, namespace)
         assert rj["metadata"]["uid"] == rj_uid and phase(kube, namespace, job) == "Running"
 
-        # The documented way to re-run under the same name: Replace=true,Force=true on the job.
-        doc["metadata"].setdefault("annotations", {})["argocd.argoproj.io/sync-options"] = "Replace=true,Force=true"
-        repo.write("jobs/ftj.yaml", [doc])
-        rev = repo.commit("re-run with the bigger model")
-        refresh(kube, name)  # a new revision: the automated sync runs again
+        # The documented way to re-run under the same name: a one-off sync of that job with Replace and
+        # Force. `argocd app sync APP --resource finetune.dev:FinetuneJob:NAME --replace --force` (or the
+        # UI's sync dialog) has argocd-server (not run here) write this operation to the Application.
+        sync_job(kube, name, job, rev)
         wait_for("re-created", lambda: (o := ftj(kube, namespace, job)) and o["metadata"]["uid"] != uid, timeout=120)
         wait_for("new run Running", lambda: phase(kube, namespace, job) == "Running" and len(rayjobs(kube, namespace)) == 1
                  and rayjobs(kube, namespace)[0]["metadata"]["uid"] != rj_uid, timeout=240)
-        assert (ftj(kube, namespace, job) or {})["spec"]["model"]["source"] == "Qwen/Qwen2.5-7B"
+        live = ftj(kube, namespace, job) or {}
+        assert live["spec"]["model"]["source"] == "Qwen/Qwen2.5-7B"
         a = wait_for("re-run synced", lambda: (a := get_app(kube, name)) and operation(a).get("phase") == "Succeeded"
                      and operation(a).get("syncResult", {}).get("revision") == rev and sync_status(a) == "Synced"
                      and a, timeout=120)
         (res,) = operation(a)["syncResult"]["resources"]  # type: ignore[arg-type]
         assert res["message"].splitlines() == [f'finetunejob.finetune.dev "{job}" deleted from {namespace} namespace',
                                                f"finetunejob.finetune.dev/{job} replaced"], res
+
+        # Nothing of the re-run lingers: the next edit in git syncs as any mutable edit does.
+        uid, (rj,) = live["metadata"]["uid"], rayjobs(kube, namespace)
+        doc["spec"]["activeDeadlineSeconds"] = 7200
+        repo.write("jobs/ftj.yaml", [doc])
+        rev = repo.commit("shorter deadline")
+        refresh(kube, name)
+        wait_for("mutable edit synced", lambda: (a := get_app(kube, name)) and operation(a).get("syncResult", {}).get(
+            "revision") == rev and operation(a).get("phase") == "Succeeded" and sync_status(a) == "Synced", timeout=120)
+        live = ftj(kube, namespace, job) or {}
+        assert live["metadata"]["uid"] == uid and live["spec"]["activeDeadlineSeconds"] == 7200
+        assert [r["metadata"]["uid"] for r in rayjobs(kube, namespace)] == [rj["metadata"]["uid"]]
     finally:
         delete_app(kube, name)
 
