@@ -40,14 +40,17 @@ crd: setup
 	cp crds/finetune.dev_finetunejobs.yaml deploy/helm/finetune-operator/crds/  # Helm reads only files in the chart
 	.venv/bin/finetune crd --markdown > docs/api.md
 	.venv/bin/finetune crd --instance-types > deploy/instance-types.yaml
+	cp deploy/instance-types.yaml deploy/helm/finetune-operator/files/
 
 golden: setup
 	.venv/bin/python -m pytest -q tests/unit/test_render.py --update-golden
 	.venv/bin/python -m pytest -q tests/deploy/test_helm_chart.py -k golden --update-golden
 
-# The chart ships copies of deploy/observability/ (tests/deploy/test_helm_chart.py keeps them equal).
+# The chart ships copies of deploy/observability/, deploy/admission.yaml and deploy/instance-types.yaml
+# (tests/deploy/test_helm_chart.py keeps them equal).
 helm-files:
-	cp deploy/observability/prometheusrule.yaml deploy/observability/finetune-dashboard.json deploy/helm/finetune-operator/files/
+	cp deploy/observability/prometheusrule.yaml deploy/observability/finetune-dashboard.json deploy/admission.yaml \
+	  deploy/instance-types.yaml deploy/helm/finetune-operator/files/
 
 lint: setup
 	.venv/bin/ruff check operator training tests benchmarks examples

@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 import yaml
+from finetune_operator.instance_types import from_params
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "deploy" / "helm" / "finetune-operator"
@@ -19,14 +20,22 @@ NS = "finetune-system"
 # Scenarios rendered to tests/golden/helm/<name>.yaml (refresh: pytest --update-golden).
 SCENARIOS: dict[str, list[str]] = {
     "defaults": [],
-    "everything": ["--set", "metrics.serviceMonitor.enabled=true", "--set", "metrics.prometheusRule.enabled=true",
+    "everything": ["--set", "metrics.podMonitor.enabled=true", "--set", "metrics.prometheusRule.enabled=true",
                    "--set", "metrics.dashboard.enabled=true", "--set", "progress.tls.enabled=true",
                    "--set", "progress.tls.secretName=finetune-operator-tls",
                    "--set", "policy.allowedImages={public.ecr.aws/deep-learning-containers/ray:*}",
                    "--set", "policy.allowedServiceAccounts={default,trainer}",
-                   "--set", "image.digest=sha256:" + "0" * 64, "--set", "replicas=3"],
+                   "--set", "image.digest=sha256:" + "0" * 64, "--set", "replicas=3",
+                   "--set-json", 'instanceTypes={"g6e.12xlarge": {"gpus": 4, "efaInterfaces": 1, "allocatableCPU": '
+                   '"47810m", "allocatableMemory": "356000Mi", "gpuModel": "L40S"}}'],
     "namespaced": ["--set", "rbac.scope=namespaces", "--set", "rbac.namespaces={team-a,team-b}"],
+    "other-namespace": [],  # rendered into NS_OTHER: nothing may still name finetune-system
 }
+NS_OTHER = "ml-platform"
+
+
+def scenario_namespace(name: str) -> str:
+    return NS_OTHER if name == "other-namespace" else NS
 HELM_LABELS = ("helm.sh/chart", "app.kubernetes.io/managed-by", "app.kubernetes.io/instance",
                "app.kubernetes.io/version", "app.kubernetes.io/name")
 
@@ -37,9 +46,9 @@ def helm_run(helm: Path, *args: str) -> subprocess.CompletedProcess[str]:
                                "HELM_CONFIG_HOME": "/tmp/helm-test-config", "HELM_DATA_HOME": "/tmp/helm-test-data"})
 
 
-def template(helm: Path, *args: str) -> str:
+def template(helm: Path, *args: str, namespace: str = NS) -> str:
     # No --include-crds: the CRD is crds/ byte for byte (test below), so API changes do not churn the golden.
-    res = helm_run(helm, "template", "finetune-operator", str(CHART), "--namespace", NS, *args)
+    res = helm_run(helm, "template", "finetune-operator", str(CHART), "--namespace", namespace, *args)
     assert res.returncode == 0, res.stderr
     return res.stdout
 
@@ -50,14 +59,14 @@ def docs(text: str) -> list[dict[str, Any]]:
 
 def test_lint_strict(helm: Path) -> None:
     for name, args in SCENARIOS.items():
-        res = helm_run(helm, "lint", "--strict", str(CHART), "--namespace", NS, *args)
+        res = helm_run(helm, "lint", "--strict", str(CHART), "--namespace", scenario_namespace(name), *args)
         assert res.returncode == 0, f"{name}: {res.stdout}{res.stderr}"
         assert "0 chart(s) failed" in res.stdout
 
 
 @pytest.mark.parametrize("name", sorted(SCENARIOS), ids=sorted(SCENARIOS))
 def test_template_matches_golden(helm: Path, name: str, request: pytest.FixtureRequest) -> None:
-    out = template(helm, *SCENARIOS[name])
+    out = template(helm, *SCENARIOS[name], namespace=scenario_namespace(name))
     golden = GOLDEN / f"{name}.yaml"
     if request.config.getoption("--update-golden"):
         golden.parent.mkdir(parents=True, exist_ok=True)
@@ -85,15 +94,48 @@ def _key(obj: dict[str, Any]) -> tuple[str, str, str]:
     return obj["kind"], obj["metadata"].get("namespace", ""), obj["metadata"]["name"]
 
 
-def test_defaults_render_the_same_objects_as_kustomize(helm: Path) -> None:
-    kust = subprocess.run(["kubectl", "kustomize", str(ROOT / "deploy")], capture_output=True, text=True,
-                          timeout=60, check=True).stdout
-    # The Namespace is the one object the chart leaves to `helm install --create-namespace`.
-    want = {_key(o): _normal(o) for o in docs(kust) if o["kind"] != "Namespace"}
-    got = {_key(o): _normal(o) for o in docs(template(helm)) if o["kind"] != "CustomResourceDefinition"}
+def _kustomize(path: str) -> list[dict[str, Any]]:
+    return docs(subprocess.run(["kubectl", "kustomize", str(ROOT / path)], capture_output=True, text=True,
+                               timeout=60, check=True).stdout)
+
+
+# The chart against each kustomization it has values for. What differs on purpose, and nothing else:
+# the Namespace (left to `helm install --create-namespace`), the chart's bookkeeping labels (_normal),
+# and for TLS the cert-manager Issuers/Certificates of examples/tls-operator (the chart takes the Secret
+# they produce: progress.tls.secretName).
+PARITY: dict[str, tuple[str, list[str], set[str]]] = {
+    "defaults": ("deploy", [], set()),
+    "namespaced": ("examples/namespaced-operator", ["--set", "rbac.scope=namespaces", "--set", "rbac.namespaces={ml-team}"],
+                   set()),
+    "tls": ("examples/tls-operator", ["--set", "progress.tls.enabled=true", "--set",
+                                      "progress.tls.secretName=finetune-operator-tls"], {"Issuer", "Certificate"}),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PARITY), ids=sorted(PARITY))
+def test_chart_renders_the_same_objects_as_kustomize(helm: Path, name: str) -> None:
+    path, args, not_in_chart = PARITY[name]
+    kust = _kustomize(path)
+    assert {o["kind"] for o in kust} >= not_in_chart  # the exceptions exist (else drop them here)
+    want = {_key(o): _normal(o) for o in kust if o["kind"] not in {"Namespace", *not_in_chart}}
+    got = {_key(o): _normal(o) for o in docs(template(helm, *args)) if o["kind"] != "CustomResourceDefinition"}
     assert sorted(got) == sorted(want)
     for key in want:
         assert got[key] == want[key], key
+
+
+def test_release_namespace_replaces_finetune_system_everywhere(helm: Path) -> None:
+    # Admission parameters, the policy's messages, bindings' subjects, the progress URL: all follow the
+    # release namespace (the operator reads its configuration from its own namespace).
+    out = template(helm, namespace=NS_OTHER)
+    assert NS not in out
+    objs = {_key(o): o for o in docs(out)}
+    fit = objs[("ValidatingAdmissionPolicyBinding", "", "finetune-instance-fit")]
+    assert fit["spec"]["paramRef"]["namespace"] == NS_OTHER
+    assert ("ConfigMap", NS_OTHER, "finetune-instance-types") in objs
+    assert ("ConfigMap", NS_OTHER, "finetune-operator-policy") in objs
+    allowed = objs[("ValidatingAdmissionPolicy", "", "finetune-allowed-images")]
+    assert f"ConfigMap {NS_OTHER}/finetune-operator-policy" in allowed["spec"]["validations"][0]["messageExpression"]
 
 
 def test_chart_ships_the_repositorys_crd_and_observability_files() -> None:
@@ -102,6 +144,8 @@ def test_chart_ships_the_repositorys_crd_and_observability_files() -> None:
         (ROOT / "crds" / "finetune.dev_finetunejobs.yaml", CHART / "crds" / "finetune.dev_finetunejobs.yaml"),
         (ROOT / "deploy" / "observability" / "prometheusrule.yaml", CHART / "files" / "prometheusrule.yaml"),
         (ROOT / "deploy" / "observability" / "finetune-dashboard.json", CHART / "files" / "finetune-dashboard.json"),
+        (ROOT / "deploy" / "admission.yaml", CHART / "files" / "admission.yaml"),
+        (ROOT / "deploy" / "instance-types.yaml", CHART / "files" / "instance-types.yaml"),
     ]
     for source, copy in pairs:
         assert copy.read_bytes() == source.read_bytes(), f"cp {source.relative_to(ROOT)} {copy.relative_to(ROOT)}"
@@ -113,6 +157,7 @@ def test_everything_scenario_wires_tls_metrics_and_policy(helm: Path) -> None:
     c = dep["spec"]["template"]["spec"]["containers"][0]
     assert "--progress-url=https://finetune-operator.finetune-system.svc:8080" in c["args"]
     assert "--tls-cert=/etc/finetune/tls/tls.crt" in c["args"]
+    assert "--progress-ca=/etc/finetune/tls/ca.crt" in c["args"]
     assert c["readinessProbe"]["httpGet"]["scheme"] == "HTTPS"
     assert c["image"].endswith("@sha256:" + "0" * 64)
     assert dep["spec"]["replicas"] == 3
@@ -123,17 +168,35 @@ def test_everything_scenario_wires_tls_metrics_and_policy(helm: Path) -> None:
     assert board["data"]["finetune-dashboard.json"] == (ROOT / "deploy/observability/finetune-dashboard.json").read_text().rstrip("\n")
     policy = objs[("ConfigMap", NS, "finetune-operator-policy")]
     assert policy["data"]["allowedServiceAccounts"].split() == ["default", "trainer"]
-    assert objs[("ServiceMonitor", NS, "finetune-operator")]["spec"]["endpoints"][0]["scheme"] == "https"
+    extra = objs[("ConfigMap", NS, "finetune-instance-types-extra")]
+    assert extra["metadata"]["labels"]["finetune.dev/instance-types"] == "true"
+    assert from_params(extra["data"], "extra")["g6e.12xlarge"].gpus == 4  # what the operator reads
+    endpoint = objs[("PodMonitor", NS, "finetune-operator")]["spec"]["podMetricsEndpoints"][0]
+    assert endpoint["scheme"] == "https"
+    assert endpoint["tlsConfig"]["ca"]["secret"] == {"name": "finetune-operator-tls", "key": "ca.crt"}
 
 
 def test_namespaced_scope_binds_per_namespace_and_watches_only_them(helm: Path) -> None:
     objs = {_key(o): o for o in docs(template(helm, *SCENARIOS["namespaced"]))}
-    assert ("RoleBinding", "team-a", "finetune-operator") in objs and ("RoleBinding", "team-b", "finetune-operator") in objs
-    assert ("ClusterRoleBinding", "", "finetune-operator") not in objs
-    cluster_rules = _normal(objs[("ClusterRole", "", "finetune-operator-cluster")])["rules"]
-    assert {r for _, r, _ in cluster_rules} == {"nodes", "tokenreviews", "customresourcedefinitions", "namespaces"}
+    for ns in ("team-a", "team-b"):
+        assert objs[("RoleBinding", ns, "finetune-operator-children")]["roleRef"]["name"] == "finetune-operator-children"
+    assert ("ClusterRoleBinding", "", "finetune-operator-children") not in objs
+    # Reading stays cluster-wide; writing children only where bound.
+    assert objs[("ClusterRoleBinding", "", "finetune-operator")]["roleRef"]["name"] == "finetune-operator"
+    writes = {(r, v) for _, r, v in _normal(objs[("ClusterRole", "", "finetune-operator")])["rules"]}
+    assert not writes & {("rayjobs", "create"), ("configmaps", "create"), ("configmaps", "patch")}
     args = objs[("Deployment", NS, "finetune-operator")]["spec"]["template"]["spec"]["containers"][0]["args"]
     assert "--namespace=team-a" in args and "--namespace=team-b" in args
+
+
+def test_service_routes_to_the_leader_and_every_replica_is_ready(helm: Path) -> None:
+    objs = {_key(o): o for o in docs(template(helm))}
+    assert objs[("Service", NS, "finetune-operator")]["spec"]["selector"]["finetune.dev/operator-leader"] == "true"
+    c = objs[("Deployment", NS, "finetune-operator")]["spec"]["template"]["spec"]["containers"][0]
+    assert "--pod-name=$(POD_NAME)" in c["args"]
+    assert c["readinessProbe"]["httpGet"]["path"] == "/healthz"
+    leader = _normal(objs[("Role", NS, "finetune-operator-leader")])["rules"]
+    assert ("", "pods", "patch") in leader and ("", "configmaps", "watch") in leader
 
 
 @pytest.mark.parametrize(
@@ -143,12 +206,15 @@ def test_namespaced_scope_binds_per_namespace_and_watches_only_them(helm: Path) 
         (["--set", "rbac.scope=everywhere"], "/rbac/scope"),
         (["--set", "rbac.namespaces={Bad_NS}"], "/rbac/namespaces/0"),
         (["--set", "image.pullPolicy=Sometimes"], "/image/pullPolicy"),
-        (["--set", "metrics.serviceMonitor.interval=soon"], "/metrics/serviceMonitor/interval"),
+        (["--set", "metrics.podMonitor.interval=soon"], "/metrics/podMonitor/interval"),
+        (["--set", "progress.tls.caKey=../ca"], "/progress/tls/caKey"),
+        (["--set", "instanceTypes.g6e\\.12xlarge.gpus=4"], "/instanceTypes/g6e.12xlarge"),
         (["--set", "imagePullPolicy=Always"], "imagePullPolicy"),
         (["--set", "progress.tls.enabled=true"], "progress.tls.secretName: required"),
         (["--set", "rbac.scope=namespaces"], "rbac.namespaces: list at least one namespace"),
     ],
-    ids=["replicas", "scope", "namespace-name", "pull-policy", "interval", "unknown-key", "tls-secret", "no-namespaces"],
+    ids=["replicas", "scope", "namespace-name", "pull-policy", "interval", "ca-key", "instance-type-figures",
+         "unknown-key", "tls-secret", "no-namespaces"],
 )
 def test_bad_values_are_rejected_with_the_field_named(helm: Path, args: list[str], message: str) -> None:
     res = helm_run(helm, "template", "x", str(CHART), "--namespace", NS, *args)

@@ -1,5 +1,5 @@
 """CRDs of projects whose objects deploy/ ships but the dev cluster does not run (the Prometheus
-Operator's ServiceMonitor/PrometheusRule, Karpenter's NodePool/EC2NodeClass), so that the API server
+Operator's PodMonitor/PrometheusRule, Karpenter's NodePool/EC2NodeClass), so that the API server
 can check those objects (server-side dry run). Taken from each project's Go module at the pinned
 version: a module download through the Go module proxy, nothing built."""
 
@@ -28,7 +28,7 @@ SOURCES: dict[str, CrdSource] = {
     "prometheus-operator": CrdSource(
         "github.com/prometheus-operator/prometheus-operator", PROMETHEUS_OPERATOR_VERSION,
         "example/prometheus-operator-crd",
-        ("monitoring.coreos.com_servicemonitors.yaml", "monitoring.coreos.com_prometheusrules.yaml"),
+        ("monitoring.coreos.com_podmonitors.yaml", "monitoring.coreos.com_prometheusrules.yaml"),
     ),
     # The AWS provider's module carries the core CRDs (karpenter.sh) next to its own (karpenter.k8s.aws).
     # Its go.mod says go 1.26.11: `go mod download` refuses it under Go 1.26.8 without that toolchain
