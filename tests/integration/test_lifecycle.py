@@ -60,6 +60,23 @@ def operator(operator_kubeconfig: Path, tmp_path_factory: pytest.TempPathFactory
     op.stop()
 
 
+@pytest.fixture
+def namespace(namespace: str, kube: Kube) -> Iterator[str]:
+    """conftest's namespace, emptied of its jobs' pods before it is deleted: the namespace controller,
+    finding pods still terminating, re-checks only after their grace period (~15 s a test); pods already
+    gone make the deletion take a second or two."""
+    yield namespace
+    for ftj_obj in kube.custom.list_namespaced_custom_object(G, V, namespace, P)["items"]:
+        try:
+            kube.custom.delete_namespaced_custom_object(G, V, namespace, P, ftj_obj["metadata"]["name"])
+        except ApiException as e:
+            if e.status != 404:
+                raise
+    deadline = time.monotonic() + 60  # best effort (a failed test may leave a finalizer): never fails here
+    while kube.core.list_namespaced_pod(namespace).items and time.monotonic() < deadline:
+        time.sleep(0.25)
+
+
 # ------------------------------------------------------------------------------- dev cluster control
 
 

@@ -18,10 +18,13 @@ from typing import Any
 
 import pytest
 
+from tests.integration import test_lifecycle
 from tests.integration.conftest import Kube, wait_for
 from tests.integration.operator_fixtures import OperatorProcess, service_account_kubeconfig
 from tests.integration.test_lifecycle import kuberay_ready, restart_component, running_with_uid
 from tests.integration.test_operator import LEASE_NS, _token, create, ftj, rayjobs, status, worker_pods
+
+namespace = test_lifecycle.namespace  # the fixture: emptied of its jobs' pods before it is deleted
 
 JOBS = int(os.environ.get("FINETUNE_FAULT_JOBS", "8"))
 KILLS = int(os.environ.get("FINETUNE_FAULT_KILLS", "6"))
