@@ -3,11 +3,12 @@ the operator -> RayJob -> KubeRay -> real Ray head and worker pods on the dev cl
 runc, kubelet) -> KubeRay's submitter -> ``python3 -m finetune_training`` -> Ray Train workers -> FSDP over gloo
 -> progress in the FinetuneJob's status -> phase Succeeded -> the exported model on the PersistentVolume.
 
-Nothing is simulated on this path: the image is the locally built Ray image (the Ray Train DLC's Python
-stack), the training code reaches the pods through the runtime ConfigMap, the model and data through the
-``pvc://`` claim, progress through the projected-token channel. The operator runs as a host process with
-the RBAC and admission policies of ``deploy/`` (its ServiceAccount's token): the pods reach it at the
-bridge's address.
+Nothing is simulated on this path: the images are built on this machine (the Ray image carries the Ray
+Train DLC's Python stack; the operator image is ``Dockerfile.operator`` built by buildah), the operator runs
+in the cluster as a pod from ``deploy/`` (kustomize; RBAC, admission policies, Service), the training code
+reaches the Ray pods through the runtime ConfigMap, the model and data through the ``pvc://`` claim, and
+progress through the projected-token channel and the operator's Service. The steps are the ones
+``make demo-cluster`` runs (``finetune_operator.devcluster.demo``).
 
 Cost (2-core machine): see docs/dev-cluster.md ("End to end").
 """
@@ -15,8 +16,6 @@ Cost (2-core machine): see docs/dev-cluster.md ("End to end").
 from __future__ import annotations
 
 import math
-import shutil
-import subprocess
 import time
 import uuid
 from collections.abc import Iterator
@@ -26,30 +25,18 @@ from typing import Any
 
 import pytest
 import yaml
-from finetune_operator.devcluster import DevCluster, build, images
+from finetune_operator.devcluster import DevCluster, DevClusterError, demo
 from finetune_operator.devcluster import node as realnode
 from kubernetes import client, config
 from kubernetes.client.rest import ApiException
 
 from .conftest import wait_for
-from .operator_fixtures import OperatorProcess, service_account_kubeconfig
 
 pytestmark = [pytest.mark.real_node, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[2]
-EXAMPLE = ROOT / "examples" / "local-cluster.yaml"
-LOCAL_RAY_IMAGE = "localhost/finetune/ray:local"  # the name examples/local-cluster.yaml uses
-CLAIM = "finetune-local"
+EXAMPLE = demo.EXAMPLE
 G, V, P = "finetune.dev", "v1alpha1", "finetunejobs"
-LEASE_NS = "finetune-system"
-
-
-class BridgeOperator(OperatorProcess):
-    """The operator on the host, serving on the real node's bridge address, where the pods reach it."""
-
-    @property
-    def url(self) -> str:
-        return f"http://{realnode.GATEWAY}:{self.port}"
 
 
 @dataclass
@@ -58,51 +45,29 @@ class E2E:
     kubeconfig: Path
     core: client.CoreV1Api
     custom: client.CustomObjectsApi
-    operator: BridgeOperator
     timings: dict[str, float]
 
 
 def kubectl(kubeconfig: Path, *args: str, stdin: str | None = None) -> str:
-    out = subprocess.run([str(build.node_binaries()["kubectl"]), "--kubeconfig", str(kubeconfig), *args],
-                         input=stdin, capture_output=True, text=True, timeout=120)
-    if out.returncode != 0:
-        raise AssertionError(f"kubectl {' '.join(args)} failed: {out.stderr}")
-    return out.stdout
+    return demo.kubectl(kubeconfig, *args, stdin=stdin)
 
 
 @pytest.fixture(scope="module")
 def real(tmp_path_factory: pytest.TempPathFactory) -> Iterator[E2E]:
     timings: dict[str, float] = {}
-    t0 = time.monotonic()
-    ray_image = images.ray_image("dlc")  # cached by its inputs (cold: see docs/training.md)
-    timings["ray image (cached or built)"] = time.monotonic() - t0
     workdir = tmp_path_factory.mktemp("e2e-real-node")
     cluster = DevCluster(workdir, nodes=1, die_with_parent=True, real_node=True)
-    operator: BridgeOperator | None = None
     try:
         t0 = time.monotonic()
         cluster.up(timeout=600)
         timings["dev-cluster up --real-node"] = time.monotonic() - t0
+        timings.update(demo.import_images(cluster))
         t0 = time.monotonic()
-        cluster.import_image(ray_image, tags=[LOCAL_RAY_IMAGE])
-        timings["import the Ray image"] = time.monotonic() - t0
-        admin = Path(cluster.kubeconfig)
-        sa_kubeconfig = service_account_kubeconfig(admin, workdir / "operator.kubeconfig")
-        # Let jobs use the locally built image (deploy/policy.yaml allows the DLC only).
-        policy = yaml.safe_load((ROOT / "deploy" / "policy.yaml").read_text())
-        policy["data"]["allowedImages"] += "localhost/finetune/ray:*\n"
-        kubectl(admin, "apply", "--server-side", "--force-conflicts", "-f", "-", stdin=yaml.safe_dump(policy))
-        logs = workdir / "operator-logs"
-        logs.mkdir()
-        operator = BridgeOperator(sa_kubeconfig, logs, lease_namespace=LEASE_NS)
-        operator.extra_args = ["--listen", realnode.GATEWAY, "--progress-url", operator.url,
-                               "--submitter-image", LOCAL_RAY_IMAGE]
-        operator.start()
-        api = config.new_client_from_config(config_file=str(admin))
-        yield E2E(cluster, admin, client.CoreV1Api(api), client.CustomObjectsApi(api), operator, timings)
+        demo.install_operator(cluster)
+        timings["operator from deploy/ leading"] = time.monotonic() - t0
+        api = config.new_client_from_config(config_file=str(cluster.kubeconfig))
+        yield E2E(cluster, Path(cluster.kubeconfig), client.CoreV1Api(api), client.CustomObjectsApi(api), timings)
     finally:
-        if operator is not None:
-            operator.stop()
         cluster.down()
         print("e2e timings: " + ", ".join(f"{k} {v:.0f}s" for k, v in timings.items()))
 
@@ -124,26 +89,12 @@ def ns(real: E2E) -> Iterator[str]:
     real.core.delete_namespace(name)
 
 
-def prepare_claim(real: E2E, ns: str) -> Path:
-    """The claim examples/local-cluster.yaml reads from and writes to, holding the shipped model and data."""
-    host = real.cluster.create_local_claim(ns, CLAIM, "5Gi")
-    shutil.copytree(ROOT / "examples" / "models" / "tiny-qwen2", host / "models" / "tiny-qwen2")
-    (host / "data").mkdir()
-    shutil.copy(ROOT / "examples" / "data" / "arithmetic.jsonl", host / "data" / "arithmetic.jsonl")
-    wait_for(
-        "claim Bound",
-        lambda: real.core.read_namespaced_persistent_volume_claim(CLAIM, ns).status.phase == "Bound",
-        timeout=60,
-    )
-    return host
-
-
 def diagnose(real: E2E, ns: str) -> str:
     """What to look at when the job does not succeed: pods, the RayJob's status, the last log lines."""
     out = [kubectl(real.kubeconfig, "get", "pods,rayjobs,rayclusters,ftj", "-n", ns, "-o", "wide")]
     try:
         out.append(kubectl(real.kubeconfig, "get", "rayjobs", "-n", ns, "-o", "jsonpath={.items[*].status}"))
-    except AssertionError as e:
+    except DevClusterError as e:
         out.append(str(e))
     for pod in real.core.list_namespaced_pod(ns).items:
         for c in pod.spec.containers:
@@ -152,13 +103,18 @@ def diagnose(real: E2E, ns: str) -> str:
             except ApiException as e:
                 log = f"(no logs: {e.reason})"
             out.append(f"--- {pod.metadata.name}/{c.name} ({pod.status.phase}):\n{log}")
-    out.append(f"operator logs: {real.operator.logdir}; component logs: {real.cluster.logs_dir}")
+    try:
+        out.append("--- operator:\n" + kubectl(real.kubeconfig, "-n", demo.OPERATOR_NAMESPACE, "logs",
+                                                 f"deployment/{demo.OPERATOR_NAME}", "--tail=60"))
+    except DevClusterError as e:
+        out.append(str(e))
+    out.append(f"component logs: {real.cluster.logs_dir}")
     return "\n".join(out)
 
 
 @pytest.mark.timeout(3600)
 def test_local_cluster_example_trains_for_real_and_exports_a_loadable_model(real: E2E, ns: str) -> None:
-    host = prepare_claim(real, ns)
+    host = demo.prepare_claim(real.cluster, ns)
     doc = yaml.safe_load(EXAMPLE.read_text())
     name = doc["metadata"]["name"]
     total = int(doc["spec"]["training"]["maxSteps"])
