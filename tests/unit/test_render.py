@@ -57,16 +57,22 @@ def env(c: dict[str, Any]) -> dict[str, Any]:
     return {e["name"]: e.get("value", e.get("valueFrom")) for e in c["env"]}
 
 
-@pytest.mark.parametrize("example", EXAMPLES, ids=[e.stem for e in EXAMPLES])
-def test_golden(example: Path, request: pytest.FixtureRequest) -> None:
-    doc = yaml.safe_load(example.read_text())
-    doc["metadata"].update(namespace="ml", uid="00000000-0000-0000-0000-000000000001")
+def render_example(doc: dict[str, Any]) -> list[dict[str, Any]]:
+    """An example's children as the operator renders them (with CFG); the real node's `local-real` type
+    gets the figures the operator would take from that node."""
     cfg = CFG
     if doc["spec"].get("cluster", {}).get("instanceType") == "local-real":
         real = it.from_node(REAL_NODE)
         assert real is not None
         cfg = RenderConfig(progress_url=CFG.progress_url, instance_types=it.merged(it.INSTANCE_TYPES, {"local-real": real}))
-    out = to_yaml(render_children(parse_job(doc, cfg.instance_types), FAKE_RUNTIME, cfg))
+    return render_children(parse_job(doc, cfg.instance_types), FAKE_RUNTIME, cfg)
+
+
+@pytest.mark.parametrize("example", EXAMPLES, ids=[e.stem for e in EXAMPLES])
+def test_golden(example: Path, request: pytest.FixtureRequest) -> None:
+    doc = yaml.safe_load(example.read_text())
+    doc["metadata"].update(namespace="ml", uid="00000000-0000-0000-0000-000000000001")
+    out = to_yaml(render_example(doc))
     golden = GOLDEN / f"{example.stem}.yaml"
     if request.config.getoption("--update-golden"):
         golden.write_text(out)
