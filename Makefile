@@ -1,5 +1,5 @@
-# The two commands of the README, and the pieces they are made of.
-.PHONY: setup demo test test-unit test-training test-training-dlc test-integration control-plane crd golden lint images helm-files
+# The three commands of the README, and the pieces they are made of.
+.PHONY: setup demo demo-cluster test test-unit test-training test-training-dlc test-integration control-plane crd golden lint images helm-files
 
 setup:
 	./scripts/setup
@@ -7,6 +7,12 @@ setup:
 # First command: set up and fine-tune the embedded tiny model on CPU (Ray + FSDP + gloo, 2 workers).
 demo: setup
 	.venv/bin/finetune run examples/local-tiny.yaml
+
+# Third command: the whole product path for real on CPU (root): a dev cluster with a real kubelet node,
+# the Ray and operator images built here, the operator from deploy/, examples/local-cluster.yaml applied and
+# watched (kubectl get ftj -w) until it ends; then the cluster goes down (KEEP=1 leaves it running).
+demo-cluster: setup control-plane
+	.venv/bin/finetune dev-cluster demo $(if $(KEEP),--keep)
 
 # Second command: set up (venv + Go-built control plane), lint/type-check, and run the whole test suite;
 # then tests/training once more on the Ray Train DLC's own stack (Python 3.13 + requirements/dlc.txt).

@@ -164,6 +164,9 @@ async def run(args: argparse.Namespace) -> int:
                 clusterwide=not args.namespace,
                 namespaces=args.namespace,
                 stop_flag=kopf_stop,
+                # kopf's own identity otherwise comes from getpass.getuser(), which fails ("No username set
+                # in the environment") for a uid without a passwd entry: the image runs as 10001.
+                identity=args.identity,
             ),
             name="kopf",
         ),

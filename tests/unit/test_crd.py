@@ -11,10 +11,8 @@ import jsonschema
 import pytest
 import yaml
 from finetune_operator.api.crd import CRD_FILENAME, build_crd, crd_yaml
-from finetune_operator.api.validation import parse_job
-from finetune_operator.render.rayjob import render_children
 
-from tests.unit.test_render import CFG, EXAMPLES, FAKE_RUNTIME
+from tests.unit.test_render import EXAMPLES, render_example
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -122,13 +120,13 @@ def rayjob_schema() -> dict[str, Any]:
 def test_rendered_rayjob_is_valid_against_kuberay_crd(example: Path, rayjob_schema: dict[str, Any]) -> None:
     doc = yaml.safe_load(example.read_text())
     doc["metadata"].update(namespace="ml", uid="u")
-    rayjob = render_children(parse_job(doc), FAKE_RUNTIME, CFG)[-1]
+    rayjob = render_example(doc)[-1]
     jsonschema.validate(rayjob, rayjob_schema)
 
 
 def test_kuberay_schema_check_can_fail(rayjob_schema: dict[str, Any]) -> None:
     doc = yaml.safe_load(EXAMPLES[0].read_text())
-    rayjob = render_children(parse_job(doc), FAKE_RUNTIME, CFG)[-1]
+    rayjob = render_example(doc)[-1]
     rayjob["spec"]["rayClusterSpec"]["workerGroupSpecs"][0]["replicaz"] = 2
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate(rayjob, rayjob_schema)

@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 import yaml
+from finetune_operator import instance_types as it
 from finetune_operator.api.validation import SpecError, parse_job
 from finetune_operator.render.config import RenderConfig, progress_audience
 from finetune_operator.render.rayjob import (
@@ -30,6 +31,12 @@ CFG = RenderConfig(progress_url="http://finetune-operator.finetune-system.svc:80
 
 
 NO_PROGRESS = RenderConfig()
+# examples/local-cluster.yaml runs on the dev cluster's real node, whose instance type the operator takes
+# from the node itself (a 2-core, 24 GiB machine with the simulated GPUs/EFA of the fake device plugin).
+REAL_NODE = {
+    "metadata": {"name": "real-node-0", "labels": {"node.kubernetes.io/instance-type": "local-real"}},
+    "status": {"allocatable": {"cpu": "2", "memory": "24Gi", "nvidia.com/gpu": "4", "vpc.amazonaws.com/efa": "1"}},
+}
 
 
 def rayjob_for(doc: dict[str, Any], cfg: RenderConfig = NO_PROGRESS) -> dict[str, Any]:
@@ -50,11 +57,22 @@ def env(c: dict[str, Any]) -> dict[str, Any]:
     return {e["name"]: e.get("value", e.get("valueFrom")) for e in c["env"]}
 
 
+def render_example(doc: dict[str, Any]) -> list[dict[str, Any]]:
+    """An example's children as the operator renders them (with CFG); the real node's `local-real` type
+    gets the figures the operator would take from that node."""
+    cfg = CFG
+    if doc["spec"].get("cluster", {}).get("instanceType") == "local-real":
+        real = it.from_node(REAL_NODE)
+        assert real is not None
+        cfg = RenderConfig(progress_url=CFG.progress_url, instance_types=it.merged(it.INSTANCE_TYPES, {"local-real": real}))
+    return render_children(parse_job(doc, cfg.instance_types), FAKE_RUNTIME, cfg)
+
+
 @pytest.mark.parametrize("example", EXAMPLES, ids=[e.stem for e in EXAMPLES])
 def test_golden(example: Path, request: pytest.FixtureRequest) -> None:
     doc = yaml.safe_load(example.read_text())
     doc["metadata"].update(namespace="ml", uid="00000000-0000-0000-0000-000000000001")
-    out = to_yaml(render_children(parse_job(doc), FAKE_RUNTIME, CFG))
+    out = to_yaml(render_example(doc))
     golden = GOLDEN / f"{example.stem}.yaml"
     if request.config.getoption("--update-golden"):
         golden.write_text(out)

@@ -30,7 +30,7 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
         default=None,
         help=f"state, certificates, logs (default $FINETUNE_DEVCLUSTER_DIR or {default_workdir()})",
     )
-    sub = p.add_subparsers(dest="dev_cluster_command", metavar="{up,down,status,kubeconfig,build,images}")
+    sub = p.add_subparsers(dest="dev_cluster_command", metavar="{up,down,status,kubeconfig,build,images,demo}")
     sub.required = True
     up = sub.add_parser(
         "up", parents=[common], help="build what is missing, start everything, wait until nodes are Ready"
@@ -67,6 +67,12 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     im = sub.add_parser("images", help="build the real node's images (Ray on the DLC stack, operator by buildah); "
                         "see `python -m finetune_operator.devcluster.images --help`")
     im.add_argument("images_args", nargs=argparse.REMAINDER, help="[ray] [operator] [base] [--stack dlc|project] [--json]")
+    demo = sub.add_parser(
+        "demo", parents=[common],
+        help="up --real-node, import the Ray and operator images, install the operator from deploy/, "
+        "kubectl apply -f examples/local-cluster.yaml and watch it until it ends (make demo-cluster)",
+    )
+    demo.add_argument("--keep", action="store_true", help="leave the cluster running afterwards")
     p.set_defaults(func=run)
     return p
 
@@ -80,6 +86,10 @@ def run(args: argparse.Namespace) -> int:
         from . import images
 
         return images.main(list(args.images_args))
+    if cmd == "demo":
+        from . import demo as demo_mod
+
+        return demo_mod.demo(args.workdir, keep=args.keep)
     log = lambda msg: print(msg, file=sys.stderr)  # noqa: E731  (stdout stays clean for `kubeconfig`)
     if cmd == "up":
         cluster = DevCluster(

@@ -29,7 +29,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -388,6 +388,10 @@ class DevCluster:
                 "--metrics-addr=0",
                 f"--health-probe-bind-address=127.0.0.1:{ports['ray-probe']}",
                 "--log-stdout-encoder=console",
+                # Out of the cluster, the operator cannot resolve the head Service's cluster.local name: its
+                # dashboard calls (job status, the submitter's outcome) go through the apiserver's Service
+                # proxy instead, which reaches the real node's pods over the bridge.
+                *(["--use-kubernetes-proxy"] if self.real_node else []),
             ],
         )
 
@@ -715,11 +719,12 @@ class DevCluster:
         _apply(api, LOCAL_STORAGE_CLASS)
         self.log(f"[dev-cluster] real node {realnode.NODE_NAME} ready in {time.monotonic() - t0:.1f}s")
 
-    def import_image(self, image: realnode.ImageLike) -> None:
-        """Import an OCI image archive (``images.ImageArchive``, ``oci.LocalImage``) into the real node."""
+    def import_image(self, image: realnode.ImageLike, tags: Sequence[str] = ()) -> None:
+        """Import an OCI image archive (``images.ImageArchive``, ``oci.LocalImage``) into the real node,
+        also under the references ``tags`` (e.g. ``localhost/finetune/ray:local`` for the examples)."""
         if not self.real_node and not self.node.state_file.exists():
             raise DevClusterError("import_image needs a dev cluster with a real node (real_node=True)")
-        self.node.import_image(build.node_binaries(), image)
+        self.node.import_image(build.node_binaries(), image, tags)
 
     def create_local_claim(self, namespace: str, claim: str, size: str = "5Gi") -> Path:
         """A PersistentVolumeClaim ``claim`` bound to a new local PersistentVolume on the real node (usable

@@ -1,0 +1,74 @@
+"""The dev-cluster adaptations of deploy/ for the real-node demo and e2e test (devcluster/demo.py).
+
+The end-to-end test (tests/integration/test_e2e_real_node.py) runs them for real; this checks what they
+change and that they leave the rest of deploy/ as it is.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from finetune_operator.devcluster import DevClusterError, demo
+from finetune_operator.devcluster import node as realnode
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def deploy_docs() -> list[dict[str, Any]]:
+    """deploy/'s objects, as kustomize would list them (its kustomization only lists resources)."""
+    kz = yaml.safe_load((ROOT / "deploy" / "kustomization.yaml").read_text())
+    assert set(kz) == {"apiVersion", "kind", "resources"}, "kustomization.yaml transforms now: render it for real"
+    return [d for f in kz["resources"] for d in yaml.safe_load_all((ROOT / "deploy" / f).read_text()) if d]
+
+
+def find(docs: list[dict[str, Any]], kind: str, name: str) -> dict[str, Any]:
+    (doc,) = [d for d in docs if d["kind"] == kind and d["metadata"]["name"] == name]
+    return doc
+
+
+def test_operator_runs_the_local_image_on_the_real_node_with_the_host_network() -> None:
+    docs = demo.adapt_deploy(deploy_docs(), "https://127.0.0.1:40123", 45678)
+    dep = find(docs, "Deployment", "finetune-operator")
+    pod = dep["spec"]["template"]["spec"]
+    (c,) = pod["containers"]
+    assert dep["spec"]["replicas"] == 1
+    assert pod["hostNetwork"] is True and pod["dnsPolicy"] == "ClusterFirstWithHostNet"
+    assert pod["nodeSelector"] == {"finetune.dev/real-node": "true"}
+    assert c["image"] == demo.LOCAL_OPERATOR_IMAGE and c["imagePullPolicy"] == "Never"
+    env = {e["name"]: e.get("value") for e in c["env"]}
+    assert env["KUBERNETES_SERVICE_HOST"] == "127.0.0.1" and env["KUBERNETES_SERVICE_PORT"] == "40123"
+    assert "POD_NAME" in env  # deploy/'s own env is kept
+    assert f"--listen={realnode.GATEWAY}" in c["args"] and "--port=45678" in c["args"]
+    assert f"--submitter-image={demo.LOCAL_RAY_IMAGE}" in c["args"]
+    # deploy/'s progress URL (the Service) stays: the Ray pods reach the operator as in production.
+    assert "--progress-url=http://finetune-operator.finetune-system.svc:8080" in c["args"]
+    assert c["ports"] == [{"name": "http", "containerPort": 45678}]
+    # Production's hardening is kept.
+    assert c["securityContext"]["readOnlyRootFilesystem"] is True
+    assert pod["securityContext"]["runAsNonRoot"] is True
+
+
+def test_policy_allows_the_local_ray_image_besides_the_dlc() -> None:
+    original = find(deploy_docs(), "ConfigMap", "finetune-operator-policy")["data"]["allowedImages"]
+    docs = demo.adapt_deploy(deploy_docs(), "https://127.0.0.1:1", 2)
+    allowed = find(docs, "ConfigMap", "finetune-operator-policy")["data"]["allowedImages"].split()
+    assert allowed == [*original.split(), "localhost/finetune/ray:*"]
+    example = yaml.safe_load(demo.EXAMPLE.read_text())
+    assert example["spec"]["cluster"]["image"] == demo.LOCAL_RAY_IMAGE
+
+
+def test_everything_else_in_deploy_is_unchanged() -> None:
+    before = deploy_docs()
+    after = demo.adapt_deploy(copy.deepcopy(before), "https://127.0.0.1:1", 2)
+    changed = [(d["kind"], d["metadata"]["name"]) for d, a in zip(before, after, strict=True) if d != a]
+    assert sorted(changed) == [("ConfigMap", "finetune-operator-policy"), ("Deployment", "finetune-operator")]
+
+
+def test_a_renamed_deployment_is_an_error_not_a_silent_no_op() -> None:
+    docs = [d for d in deploy_docs() if d["kind"] != "Deployment"]
+    with pytest.raises(DevClusterError, match="no Deployment"):
+        demo.adapt_deploy(docs, "https://127.0.0.1:1", 2)
