@@ -67,13 +67,16 @@ def watcher(api: client.ApiClient, plural: str, ns: str, seen: dict[str, float],
     custom = client.CustomObjectsApi(api)
     w = watch.Watch()
     while not stop.is_set():
-        for ev in w.stream(custom.list_namespaced_custom_object, "ray.io", "v1", ns, plural, timeout_seconds=5):
-            meta = ev["object"]["metadata"]
-            seen.setdefault(meta["name"], time.monotonic())
-            for ref in meta.get("ownerReferences") or []:
-                owners.setdefault(meta["name"], ref["name"])
-            if stop.is_set():
-                break
+        try:
+            for ev in w.stream(custom.list_namespaced_custom_object, "ray.io", "v1", ns, plural, timeout_seconds=5):
+                meta = ev["object"]["metadata"]
+                seen.setdefault(meta["name"], time.monotonic())
+                for ref in meta.get("ownerReferences") or []:
+                    owners.setdefault(meta["name"], ref["name"])
+                if stop.is_set():
+                    break
+        except Exception as e:  # a dropped watch is restarted; the benchmark goes on
+            print(f"{plural} watch restarted: {e}")
 
 
 def ftj_watcher(api: client.ApiClient, ns: str, running: dict[str, float], steps: dict[tuple[str, int], float],
