@@ -1,26 +1,42 @@
-"""Operator latency and idle write volume on the local control plane (real apiserver + KubeRay).
+"""Operator latency, cost and idle write volume on the local control plane (real apiserver + KubeRay).
 
-Creates N FinetuneJobs (the seed example under different names) and measures, in one run:
+Installs deploy/ (RBAC, admission policies) and runs the operator as its ServiceAccount, with the
+apiserver writing an audit log of that ServiceAccount's requests. Creates N FinetuneJobs (the seed
+example under different names) and measures, in one run:
   - ours:    FinetuneJob create call  -> RayJob seen by a watch      (finetune-operator)
   - KubeRay: RayJob seen              -> its RayCluster seen by a watch (KubeRay v1.6.1)
+  - API requests per job, from the apiserver's audit log (not the operator's own counters): all of the
+    operator's requests while the jobs were created and settled, divided by N, and, for the jobs that
+    reached Running (as many as the `--nodes` GPU nodes hold), the requests naming the job or its children
+    until it was Running, plus its share of the requests naming no job (lists, Events, TokenReviews)
+  - the operator's RSS with N jobs, and etcd bytes per job (current values under the run's namespace,
+    read from etcd itself, by resource)
 then counts API writes during an idle window: the operator's own write counter (from /metrics) and,
 independently, the resourceVersions of every FinetuneJob/RayJob/ConfigMap of the run (unchanged
-resourceVersion = nobody wrote it).
+resourceVersion = nobody wrote it); and last, `--reporting` jobs post progress once a second with
+pod-bound tokens, and a watch times each step from the POST until a read of the FinetuneJob shows it.
 
-    .venv/bin/python benchmarks/bench_operator.py --jobs 100 --idle 60
+    .venv/bin/python benchmarks/bench_operator.py --jobs 1000 --idle 60 --reporting 100
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import base64
+import json
 import re
 import statistics
 import sys
 import tempfile
 import threading
 import time
+import urllib.request
+from datetime import datetime
 from pathlib import Path
 from typing import Any
+
+import aiohttp
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -28,7 +44,17 @@ sys.path.insert(0, str(ROOT))
 from finetune_operator.devcluster import DevCluster
 from kubernetes import client, config, watch
 
-from tests.integration.operator_fixtures import OperatorProcess, example
+from tests.integration.operator_fixtures import OperatorProcess, example, service_account_kubeconfig
+
+OPERATOR_USER = "system:serviceaccount:finetune-system:finetune-operator"
+AUDIT_POLICY = f"""apiVersion: audit.k8s.io/v1
+kind: Policy
+omitStages: ["RequestReceived", "ResponseStarted"]
+rules:
+- level: Metadata
+  users: ["{OPERATOR_USER}"]
+- level: None
+"""
 
 
 def pct(values: list[float], q: float) -> float:
@@ -41,13 +67,116 @@ def watcher(api: client.ApiClient, plural: str, ns: str, seen: dict[str, float],
     custom = client.CustomObjectsApi(api)
     w = watch.Watch()
     while not stop.is_set():
-        for ev in w.stream(custom.list_namespaced_custom_object, "ray.io", "v1", ns, plural, timeout_seconds=5):
-            meta = ev["object"]["metadata"]
-            seen.setdefault(meta["name"], time.monotonic())
-            for ref in meta.get("ownerReferences") or []:
-                owners.setdefault(meta["name"], ref["name"])
-            if stop.is_set():
-                break
+        try:
+            for ev in w.stream(custom.list_namespaced_custom_object, "ray.io", "v1", ns, plural, timeout_seconds=5):
+                meta = ev["object"]["metadata"]
+                seen.setdefault(meta["name"], time.monotonic())
+                for ref in meta.get("ownerReferences") or []:
+                    owners.setdefault(meta["name"], ref["name"])
+                if stop.is_set():
+                    break
+        except Exception as e:  # a dropped watch is restarted; the benchmark goes on
+            print(f"{plural} watch restarted: {e}")
+
+
+def ftj_watcher(api: client.ApiClient, ns: str, running: dict[str, float], steps: dict[tuple[str, int], float],
+                stop: threading.Event) -> None:
+    """Wall-clock time each job was first seen Running; monotonic time each (job, step) was first seen."""
+    custom = client.CustomObjectsApi(api)
+    w = watch.Watch()
+    while not stop.is_set():
+        try:
+            for ev in w.stream(custom.list_namespaced_custom_object, "finetune.dev", "v1alpha1", ns, "finetunejobs",
+                               timeout_seconds=5):
+                obj, now = ev["object"], time.monotonic()
+                st = obj.get("status") or {}
+                name = obj["metadata"]["name"]
+                if st.get("phase") == "Running":
+                    running.setdefault(name, time.time())
+                step = (st.get("training") or {}).get("step")
+                if isinstance(step, int):
+                    steps.setdefault((name, step), now)
+                if stop.is_set():
+                    break
+        except Exception as e:  # a dropped watch is restarted; the benchmark goes on
+            print(f"finetunejobs watch restarted: {e}")
+
+
+def rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def etcd_bytes(etcd_url: str, ns: str) -> dict[str, int]:
+    """Bytes of the current values stored in etcd under `ns`, by resource (key /registry/<res>/<ns>/<name>)."""
+    def b64(x: str) -> str:
+        return base64.b64encode(x.encode()).decode()
+
+    out: dict[str, int] = {}
+    body = json.dumps({"key": b64("/registry/"), "range_end": b64("/registry0")}).encode()
+    req = urllib.request.Request(f"{etcd_url}/v3/kv/range", data=body, method="POST")
+    with urllib.request.urlopen(req, timeout=120) as r:
+        kvs = json.loads(r.read()).get("kvs") or []
+    for kv in kvs:
+        parts = base64.b64decode(kv["key"]).decode().split("/")
+        if ns in parts[2:-1]:
+            res = "/".join(parts[2:parts.index(ns, 2)])
+            out[res] = out.get(res, 0) + len(base64.b64decode(kv.get("value", "")))
+    return out
+
+
+def audit_events(path: Path, since: float, until: float) -> list[dict[str, Any]]:
+    events = []
+    with path.open() as f:
+        for line in f:
+            ev = json.loads(line)
+            t = datetime.fromisoformat(ev["requestReceivedTimestamp"]).timestamp()
+            if since <= t <= until and ev.get("user", {}).get("username") == OPERATOR_USER:
+                ev["_t"] = t
+                events.append(ev)
+    return events
+
+
+def job_of(ev: dict[str, Any], names: set[str]) -> str | None:
+    name = (ev.get("objectRef") or {}).get("name") or ""
+    if name in names:
+        return str(name)
+    base = name.rsplit("-", 1)[0]  # <job>-config, <job>-head-xxxxx, ... (job names here have no suffix clash)
+    while base and base not in names and "-" in base:
+        base = base.rsplit("-", 1)[0]
+    return base if base in names else None
+
+
+def kind_of(ev: dict[str, Any]) -> str:
+    ref = ev.get("objectRef") or {}
+    return f"{ev['verb']} {ref.get('resource', '?')}{'/' + ref['subresource'] if ref.get('subresource') else ''}"
+
+
+async def report_progress(base_url: str, jobs: list[tuple[str, str, str]], seconds: float,
+                          posted: dict[tuple[str, int], float], codes: dict[int, int]) -> None:
+    """Each job posts from a loopback address of its own (pods have addresses of their own; the endpoint
+    rate-limits TokenReviews per client address)."""
+    deadline = time.monotonic() + seconds
+
+    async def one(i: int, ns: str, name: str, token: str) -> None:
+        connector = aiohttp.TCPConnector(limit=1, local_addr=(f"127.1.{i // 250}.{i % 250 + 1}", 0))
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30), connector=connector) as session:
+            step = 0
+            while time.monotonic() < deadline:
+                step += 1
+                started = time.monotonic()
+                async with session.post(f"{base_url}/v1/progress/{ns}/{name}",
+                                        json={"rank": 0, "training": {"step": step, "totalSteps": 100000, "loss": 1.0}},
+                                        headers={"Authorization": f"Bearer {token}"}) as resp:
+                    await resp.read()
+                codes[resp.status] = codes.get(resp.status, 0) + 1
+                if resp.status == 202:
+                    posted[(name, step)] = started
+                await asyncio.sleep(max(0.0, 1.0 - (time.monotonic() - started)))
+
+    await asyncio.gather(*(one(i, *j) for i, j in enumerate(jobs)))
 
 
 def writes_from_metrics(text: str, leases: bool = True) -> dict[str, float]:
@@ -79,12 +208,18 @@ def resource_versions(api: client.ApiClient, ns: str) -> dict[str, str]:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--jobs", type=int, default=100)
+    ap.add_argument("--nodes", type=int, default=20, help="GPU nodes (g6.12xlarge); each Running job takes 2")
     ap.add_argument("--idle", type=float, default=60.0, help="idle window in seconds")
     ap.add_argument("--settle", type=float, default=20.0, help="quiet seconds before the idle window starts")
+    ap.add_argument("--reporting", type=int, default=100, help="jobs posting progress for the status latency")
+    ap.add_argument("--report-seconds", type=float, default=30.0)
     args = ap.parse_args()
 
     work = Path(tempfile.mkdtemp(prefix="bench-operator-"))
-    cluster = DevCluster(work / "cluster", nodes=2, die_with_parent=True)
+    (work / "audit-policy.yaml").write_text(AUDIT_POLICY)
+    audit_log = work / "audit.log"
+    cluster = DevCluster(work / "cluster", nodes=args.nodes, die_with_parent=True, apiserver_args=[
+        f"--audit-policy-file={work / 'audit-policy.yaml'}", f"--audit-log-path={audit_log}"])
     t0 = time.monotonic()
     cluster.up()
     print(f"dev cluster up in {time.monotonic() - t0:.1f}s (logs: {cluster.logs_dir})")
@@ -93,26 +228,32 @@ def main() -> int:
     ns = "bench"
     core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=ns)))
     (work / "op").mkdir()
-    op = OperatorProcess(Path(cluster.kubeconfig), work / "op")
+    sa = service_account_kubeconfig(Path(cluster.kubeconfig), work / "sa-kubeconfig")
+    op = OperatorProcess(sa, work / "op", lease_namespace="finetune-system")
     op.start()
     stop = threading.Event()
     rj_seen: dict[str, float] = {}
     rc_seen: dict[str, float] = {}
     rc_owner: dict[str, str] = {}
+    running: dict[str, float] = {}
+    steps_seen: dict[tuple[str, int], float] = {}
     threads = [threading.Thread(target=watcher, args=(api, "rayjobs", ns, rj_seen, {}, stop), daemon=True),
-               threading.Thread(target=watcher, args=(api, "rayclusters", ns, rc_seen, rc_owner, stop), daemon=True)]
+               threading.Thread(target=watcher, args=(api, "rayclusters", ns, rc_seen, rc_owner, stop), daemon=True),
+               threading.Thread(target=ftj_watcher, args=(api, ns, running, steps_seen, stop), daemon=True)]
     for t in threads:
         t.start()
     time.sleep(2)
     created: dict[str, float] = {}
+    created_wall: dict[str, float] = {}
     doc = example("qwen2.5-1.5b-g6-efa.yaml")
     try:
+        run_start = time.time() - 1
         for i in range(args.jobs):
-            name = f"bench-{i:03d}"
+            name = f"bench-{i:04d}"
             d = dict(doc, metadata={"name": name})
-            created[name] = time.monotonic()
+            created[name], created_wall[name] = time.monotonic(), time.time()
             custom.create_namespaced_custom_object("finetune.dev", "v1alpha1", ns, "finetunejobs", d)
-        deadline = time.monotonic() + 600
+        deadline = time.monotonic() + 900
         while time.monotonic() < deadline and (len(rj_seen) < args.jobs or len(rc_seen) < args.jobs):
             time.sleep(0.5)
         ours = [rj_seen[n] - created[n] for n in created if n in rj_seen]
@@ -124,7 +265,8 @@ def main() -> int:
             if vals:
                 print(f"{label:<42} {len(vals):>4} {statistics.median(vals):>8.3f} {pct(vals, 0.99):>8.3f} {max(vals):>8.3f}")
         if ours and kuberay:
-            print(f"ratio of medians (ours / KubeRay): {statistics.median(ours) / statistics.median(kuberay):.2f}")
+            print(f"ratio of medians (ours / KubeRay): {statistics.median(ours) / statistics.median(kuberay):.2f}; "
+                  f"of p99s: {pct(ours, 0.99) / pct(kuberay, 0.99):.2f}")
 
         # Idle: wait until the operator has stopped writing for `settle` seconds, then measure.
         # (Lease renewals every 10 s are leader election, reported separately, not a sign of activity.)
@@ -136,6 +278,43 @@ def main() -> int:
             if now != last:
                 last, quiet_since = now, time.monotonic()
         print(f"\nsettled: no operator writes for {args.settle:.0f}s (after {time.monotonic() - settle_start:.0f}s)")
+        settled = time.time()
+        assert op.proc is not None
+        print(f"operator RSS with {args.jobs} jobs: {rss_mib(op.proc.pid):.0f} MiB")
+        per_res = etcd_bytes(f"http://127.0.0.1:{cluster._state()['ports']['etcd']}", ns)
+        ours_res = ("finetune.dev/finetunejobs", "ray.io/rayjobs", "configmaps", "events")
+        print(f"etcd bytes per job: {sum(per_res.values()) / args.jobs:.0f} in all, "
+              f"{sum(v for k, v in per_res.items() if k in ours_res) / args.jobs:.0f} in FinetuneJob + RayJob + "
+              f"ConfigMaps + Events; by resource: "
+              f"{ {k: round(v / args.jobs) for k, v in sorted(per_res.items(), key=lambda kv: -kv[1])} }")
+
+        events = [e for e in audit_events(audit_log, run_start, settled)
+                  if (e.get("objectRef") or {}).get("resource") != "leases"]
+        not_watch = [e for e in events if e["verb"] != "watch"]
+        by_kind: dict[str, int] = {}
+        for e in not_watch:
+            by_kind[kind_of(e)] = by_kind.get(kind_of(e), 0) + 1
+        print(f"operator API requests (audit log, Leases and watches left out) from the first create until settled: "
+              f"{len(not_watch)} = {len(not_watch) / args.jobs:.2f} per job; "
+              f"{ {k: v for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])} }; watch requests: "
+              f"{len(events) - len(not_watch)}")
+        names = set(created)
+        unattributed = sum(1 for e in not_watch if job_of(e, names) is None)
+        per_job: list[float] = []
+        kinds: dict[str, int] = {}
+        for n, t_run in running.items():
+            mine = [e for e in not_watch if job_of(e, names) == n and e["_t"] <= t_run]
+            for e in mine:
+                kinds[kind_of(e)] = kinds.get(kind_of(e), 0) + 1
+            per_job.append(len(mine) + unattributed / args.jobs)
+        if per_job:
+            print(f"API requests to reach Running ({len(per_job)} jobs Running on {args.nodes} nodes): median "
+                  f"{statistics.median(per_job):.2f}, max {max(per_job):.2f} per job (naming the job or its children, "
+                  f"plus {unattributed / args.jobs:.2f} per job naming none); naming the job, in all: "
+                  f"{ {k: v for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])} }")
+        else:
+            print("API requests to reach Running: no job reached Running")
+
         before_w, before_rv = writes_from_metrics(op.metrics()), resource_versions(api, ns)
         time.sleep(args.idle)
         after_w, after_rv = writes_from_metrics(op.metrics()), resource_versions(api, ns)
@@ -150,11 +329,40 @@ def main() -> int:
               f" (FTJ resourceVersion, ConfigMap resourceVersion, RayJob generation) {changed[:5]}")
         for key in changed[:3]:  # what changed, so a write during the idle window can be explained
             name = key.split("/", 1)[1]
+            if name not in STATUSES:
+                continue
             old, new = STATUSES[name][before_rv[key]], STATUSES[name][after_rv[key]]
             diff = {k: (old.get(k), new.get(k)) for k in set(old) | set(new) if old.get(k) != new.get(k) and k != "conditions"}
             conds = [(c["type"], c["status"], c["reason"], c["message"][:160]) for c in new.get("conditions", [])
                      if c not in old.get("conditions", [])]
             print(f"  {name}: {diff} changed conditions: {conds}")
+
+        if args.reporting:
+            reporters = []
+            for n in sorted(created)[:args.reporting]:
+                pods = core.list_namespaced_pod(ns, label_selector=f"finetune.dev/job={n}").items
+                if not pods:
+                    continue
+                pod = pods[0]
+                req = client.AuthenticationV1TokenRequest(spec=client.V1TokenRequestSpec(
+                    audiences=[f"finetune.dev/progress/{ns}/{n}"], expiration_seconds=3600,
+                    bound_object_ref=client.V1BoundObjectReference(kind="Pod", api_version="v1", name=pod.metadata.name,
+                                                                   uid=pod.metadata.uid)))
+                token = core.create_namespaced_service_account_token(pod.spec.service_account_name or "default", ns, req)
+                reporters.append((ns, n, token.status.token))
+            posted: dict[tuple[str, int], float] = {}
+            codes: dict[int, int] = {}
+            asyncio.run(report_progress(op.url, reporters, args.report_seconds, posted, codes))
+            time.sleep(5)
+            lat = [steps_seen[k] - t for k, t in posted.items() if k in steps_seen]
+            # a step overtaken by the next one before a flush is never shown; it counts as not shown
+            shown_last = sum(1 for _, n, _ in reporters if (n, max(s for m, s in posted if m == n)) in steps_seen) \
+                if posted else 0
+            print(f"\nstatus latency, progress POST -> FinetuneJob read shows the step, {len(reporters)} jobs reporting "
+                  f"every 1 s for {args.report_seconds:.0f} s: answers {codes}; steps shown {len(lat)} of {len(posted)}"
+                  f" (last step shown for {shown_last}/{len(reporters)} jobs)")
+            if lat:
+                print(f"  p50 {statistics.median(lat):.3f} s  p99 {pct(lat, 0.99):.3f} s  max {max(lat):.3f} s")
     finally:
         stop.set()
         op.stop()

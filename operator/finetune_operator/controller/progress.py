@@ -40,6 +40,7 @@ from .progress_guard import Limits, ReviewLimiter, TTLCache, implausible
 log = logging.getLogger("finetune.progress")
 AUDIENCE_PREFIX = "finetune.dev/progress/"
 MAX_BODY = 64 * 1024
+FLUSH_WORKERS = 8  # concurrent status patches per flush (the API client pools 5 per core)
 
 
 def unverified_audiences(token: str) -> list[str]:
@@ -238,40 +239,48 @@ class ProgressServer:
         self.pending.pop((namespace, name), None)
 
     def flush_once(self) -> int:
-        """Write every job's latest progress into its status; returns how many jobs were patched."""
+        """Write every job's latest progress into its status; returns how many jobs were patched.
+
+        The patches go out FLUSH_WORKERS at a time: one after the other, 100 reporting jobs took one
+        flush about 15 s on a loaded dev cluster (each patch a round trip), far beyond the interval."""
+        dirty = [(key, p) for key, p in list(self.pending.items()) if p.dirty]
+        if not dirty:
+            return 0
+        if len(dirty) == 1:
+            return int(self._flush_one(*dirty[0]))
+        with ThreadPoolExecutor(max_workers=min(FLUSH_WORKERS, len(dirty)), thread_name_prefix="progress-flush") as pool:
+            return sum(pool.map(lambda kp: self._flush_one(*kp), dirty))
+
+    def _flush_one(self, key: tuple[str, str], p: _Pending) -> bool:
         from .k8s import ApiError
 
-        n = 0
-        for (ns, name), p in list(self.pending.items()):
-            if not p.dirty:
-                continue
-            p.dirty = False
-            patch: dict[str, Any] = {}
-            if p.training:
-                patch["training"] = dict(p.training)
-                step, total = p.training.get("step"), p.training.get("totalSteps")
-                if step is not None:
-                    patch["step"] = f"{step}/{total}" if total else str(step)
-            if p.network:
-                patch["network"] = dict(p.network)
-            if p.runtime_phase:
-                patch["runtimePhase"] = p.runtime_phase
-            try:
-                self.kube.patch_status(ns, name, patch)
-            except ApiError as err:
-                if err.status == 404:
-                    self.forget(ns, name)
-                    continue
-                p.dirty = True
-                log.warning("progress flush for %s/%s failed: %s", ns, name, err)
-                continue
-            n += 1
-            # Only the network figures feed a condition (NetworkHealthy); step/loss do not, so a
-            # reconcile after every flush would be wasted work at scale.
-            if p.network != p.flushed_network:
-                p.flushed_network = dict(p.network)
-                self.on_flushed(ns, name)
-        return n
+        ns, name = key
+        p.dirty = False
+        patch: dict[str, Any] = {}
+        if p.training:
+            patch["training"] = dict(p.training)
+            step, total = p.training.get("step"), p.training.get("totalSteps")
+            if step is not None:
+                patch["step"] = f"{step}/{total}" if total else str(step)
+        if p.network:
+            patch["network"] = dict(p.network)
+        if p.runtime_phase:
+            patch["runtimePhase"] = p.runtime_phase
+        try:
+            self.kube.patch_status(ns, name, patch)
+        except ApiError as err:
+            if err.status == 404:
+                self.forget(ns, name)
+                return False
+            p.dirty = True
+            log.warning("progress flush for %s/%s failed: %s", ns, name, err)
+            return False
+        # Only the network figures feed a condition (NetworkHealthy); step/loss do not, so a
+        # reconcile after every flush would be wasted work at scale.
+        if p.network != p.flushed_network:
+            p.flushed_network = dict(p.network)
+            self.on_flushed(ns, name)
+        return True
 
     async def flush_forever(self) -> None:
         while True:

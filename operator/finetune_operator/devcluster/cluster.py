@@ -169,7 +169,8 @@ class DevCluster:
     ``cpu_instance_type`` node (``cpu-node-0``) for the Ray head. ``crd_dirs``: every ``*.yaml`` in them
     is installed (default: the checkout's ``crds/``), as are KubeRay's CRDs from its module.
     ``die_with_parent``: components get SIGTERM if this process dies (for test sessions; the CLI leaves
-    the cluster running after it exits).
+    the cluster running after it exits). ``apiserver_args``: extra kube-apiserver flags (the benchmarks
+    turn on an audit log with them).
     """
 
     def __init__(
@@ -182,6 +183,7 @@ class DevCluster:
         die_with_parent: bool = False,
         log: Log = print,
         real_node: bool = False,
+        apiserver_args: list[str] | None = None,
     ) -> None:
         self.workdir = Path(workdir) if workdir is not None else default_workdir()
         self.gpu_nodes = nodes
@@ -191,6 +193,7 @@ class DevCluster:
         self.die_with_parent = die_with_parent
         self.log = log
         self.real_node = real_node
+        self.apiserver_args = list(apiserver_args or [])  # extra kube-apiserver flags (benchmarks: audit log)
         self.node = realnode.RealNode(self.workdir, log=log)
         self._popen: dict[str, subprocess.Popen[bytes]] = {}
         self._lock = threading.Lock()
@@ -328,6 +331,7 @@ class DevCluster:
                 "--allow-privileged=true",
                 "--enable-priority-and-fairness=false",
                 "--profiling=false",
+                *self.apiserver_args,
             ],
         )
         api = _Api(server, keys)
