@@ -23,7 +23,10 @@ clip 1.0, global batch 8 packed sequences; 20 held-out records, 0 % for every un
 - counting on (`Count on: 37` → `38 39 40 41`, two-digit BPE tokens, 86 prompts, 20 % held out,
   sequence length 32): a 400-step schedule at lr 3e-3 gives 0 / 41 / 35 / 47 % after 100 / 200 / 300 /
   400 steps (loss 0.06: it memorises the 69 training prompts); a 200-step schedule ends at 18 %, a
-  120-step one at 0 %, lr 1e-2 at 0 %.
+  120-step one at 0 %, lr 1e-2 at 0 %, lr 5e-3 (300 steps) at 0 %, hidden 64 (300 steps) at 0 %. Bigger
+  batches help: batch 16, 300 steps: 47 % after 150, 65 % after 300; batch 32 (1024 tokens a step, as
+  the demo's 8 × 128), 150 steps: 29 % with model seed 0 but 0 % with seed 1; 100 steps: 6 %. Promising
+  (more prompts against memorising, batch 16–32, ~300 steps) but not yet reliable across seeds.
 Copying a number from the prompt (an induction-style attention pattern) is what takes this model
 hundreds of steps; one real step through Ray + FSDP costs about 0.33 s here (8 × 128 tokens at the
 ~3100 tokens/s docs/training.md quotes) on top of Ray's start (the 40-step demo takes about a minute), so
