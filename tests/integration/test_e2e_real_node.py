@@ -16,6 +16,7 @@ Cost (2-core machine): see docs/dev-cluster.md ("End to end").
 from __future__ import annotations
 
 import math
+import re
 import time
 import uuid
 from collections.abc import Iterator
@@ -27,6 +28,7 @@ import pytest
 import yaml
 from finetune_operator.devcluster import DevCluster, DevClusterError, demo
 from finetune_operator.devcluster import node as realnode
+from finetune_operator.render.rayjob import JOB_LABEL
 from kubernetes import client, config
 from kubernetes.client.rest import ApiException
 
@@ -182,3 +184,137 @@ def test_local_cluster_example_trains_for_real_and_exports_a_loadable_model(real
     base = AutoModelForCausalLM.from_pretrained(ROOT / "examples" / "models" / "tiny-qwen2")
     changed = [n for n, p in model.state_dict().items() if not torch.equal(p, base.state_dict()[n])]
     assert changed, "the exported weights equal the base model's: nothing was trained"
+
+
+# ---------------------------------------------------------------- faults on the real node (issue 8, 2-4)
+
+
+def apply_variant(real: E2E, ns: str, name: str, max_steps: int) -> dict[str, Any]:
+    """examples/local-cluster.yaml under another name, with its own checkpoint directory and more steps
+    (~0.75 s each here), so that the test can act between two checkpoints."""
+    doc = yaml.safe_load(EXAMPLE.read_text())
+    doc["metadata"]["name"] = name
+    doc["spec"]["training"]["maxSteps"] = max_steps
+    doc["spec"]["training"]["checkpoint"]["storageUri"] = f"pvc://{demo.CLAIM}/runs/{name}"
+    kubectl(real.kubeconfig, "apply", "-n", ns, "-f", "-", stdin=yaml.safe_dump(doc))
+    return doc
+
+
+def ftj_status(real: E2E, ns: str, name: str) -> dict[str, Any]:
+    ftj: dict[str, Any] = real.custom.get_namespaced_custom_object(G, V, ns, P, name)
+    status: dict[str, Any] = ftj.get("status") or {}
+    if status.get("phase") == "Failed":
+        pytest.fail(f"FinetuneJob {name} failed: {status.get('message')}\n{diagnose(real, ns)}")
+    return status
+
+
+def checkpoint_step(real: E2E, ns: str, name: str) -> int:
+    return int((ftj_status(real, ns, name).get("training") or {}).get("lastCheckpointStep") or 0)
+
+
+def job_log(real: E2E, ns: str) -> str:
+    """What the Ray job printed so far: KubeRay's submitter pod follows the driver's log, which carries the
+    Ray Train workers' output (rank 0 says `resuming from step N`)."""
+    out = []
+    for pod in real.core.list_namespaced_pod(ns, label_selector="app.kubernetes.io/component=submitter").items:
+        try:
+            out.append(real.core.read_namespaced_pod_log(pod.metadata.name, ns))
+        except ApiException:
+            pass
+    return "\n".join(out)
+
+
+def resumed_steps(log: str) -> list[int]:
+    return [int(m) for m in re.findall(r"resuming from step (\d+)", log)]
+
+
+def node_containers(real: E2E, ns: str) -> list[str]:
+    """The node's containerd containers of the pods in namespace ``ns`` (CRI labels them with it)."""
+    out = real.cluster.node.ctr(realnode.node_binaries(), "containers", "ls", "-q",
+                                f"labels.\"io.kubernetes.pod.namespace\"=={ns}")
+    return out.stdout.split()
+
+
+@pytest.mark.timeout(3600)
+def test_a_killed_worker_and_a_suspend_both_resume_from_the_last_checkpoint(real: E2E, ns: str) -> None:
+    """Issue 8, points 2 and 4, on one job: SIGKILL a worker container after the first checkpoint (kubelet
+    restarts it, Ray Train restarts its worker group from that checkpoint), then suspend after a later
+    checkpoint (the Ray cluster is released) and resume (a new Ray cluster continues from it)."""
+    demo.prepare_claim(real.cluster, ns)
+    name, total = "local-faults", 120
+    apply_variant(real, ns, name, total)
+
+    # 1. A worker container is killed (SIGKILL to its task in containerd) once a checkpoint exists.
+    wait_for("the first checkpoint", lambda: checkpoint_step(real, ns, name) >= 10, timeout=1200, interval=1)
+    workers = real.core.list_namespaced_pod(ns, label_selector="ray.io/node-type=worker").items
+    assert workers, diagnose(real, ns)
+    victim = workers[0]
+    cid = victim.status.container_statuses[0].container_id.split("://", 1)[1]
+    real.cluster.node.ctr(realnode.node_binaries(), "tasks", "kill", "--signal", "SIGKILL", cid)
+    ckpt_at_kill = checkpoint_step(real, ns, name)
+
+    def restarted() -> bool:
+        pod = real.core.read_namespaced_pod(victim.metadata.name, ns)
+        return any((c.restart_count or 0) >= 1 for c in pod.status.container_statuses or [])
+
+    wait_for(f"kubelet restarts {victim.metadata.name}", restarted, timeout=300, interval=1)
+    first = wait_for("rank 0 resuming after the kill", lambda: resumed_steps(job_log(real, ns)), timeout=900, interval=2)
+    assert isinstance(first, list)
+    assert first[0] >= 10 and first[0] >= ckpt_at_kill, (first, ckpt_at_kill)  # not from step 0
+
+    # 2. Suspend once a checkpoint after that resume exists: the Ray cluster and its pods go away.
+    wait_for("a checkpoint after the resume",
+             lambda: checkpoint_step(real, ns, name) >= first[0] + 10, timeout=900, interval=1)
+    real.custom.patch_namespaced_custom_object(G, V, ns, P, name, {"spec": {"suspend": True}})
+    wait_for("phase Suspended", lambda: ftj_status(real, ns, name).get("phase") == "Suspended", timeout=300, interval=1)
+    wait_for("Ray pods gone while suspended",
+             lambda: not real.core.list_namespaced_pod(ns, label_selector="ray.io/cluster").items, timeout=300, interval=2)
+    saved = checkpoint_step(real, ns, name)
+    assert 0 < saved < total, saved
+    assert ftj_status(real, ns, name).get("phase") == "Suspended"
+
+    # 3. Resume: a new Ray cluster continues from the checkpoint kept on the PV and finishes.
+    real.custom.patch_namespaced_custom_object(G, V, ns, P, name, {"spec": {"suspend": False}})
+    again = wait_for("rank 0 resuming after the suspend",
+                     lambda: [s for s in resumed_steps(job_log(real, ns)) if s >= saved], timeout=900, interval=2)
+    assert isinstance(again, list) and again[0] >= saved, (again, saved)  # the newest checkpoint on the PV
+    wait_for(f"FinetuneJob {name} Succeeded", lambda: ftj_status(real, ns, name).get("phase") == "Succeeded",
+             timeout=1200, interval=2)
+    status = ftj_status(real, ns, name)
+    assert status["step"] == f"{total}/{total}", status
+
+
+@pytest.mark.timeout(1800)
+def test_deleting_a_running_job_leaves_nothing_behind(real: E2E, ns: str) -> None:
+    """Issue 8, point 3: `kubectl delete ftj` mid-run removes every child (RayJob, RayCluster, pods,
+    Services, ConfigMaps) and the node's containers."""
+    demo.prepare_claim(real.cluster, ns)
+    name = "local-delete"
+    apply_variant(real, ns, name, 400)
+    wait_for("training under way", lambda: (ftj_status(real, ns, name).get("training") or {}).get("step"),
+             timeout=1200, interval=1)
+    assert node_containers(real, ns), "the job's containers should be running on the node"
+    kubectl(real.kubeconfig, "delete", "-n", ns, "ftj", name, "--wait=true", "--timeout=300s", timeout=330)
+
+    def leftovers() -> dict[str, list[str]]:
+        sel = f"{JOB_LABEL}={name}"
+        found = {
+            "rayjobs": [o["metadata"]["name"] for o in real.custom.list_namespaced_custom_object(
+                "ray.io", "v1", ns, "rayjobs")["items"]],
+            "rayclusters": [o["metadata"]["name"] for o in real.custom.list_namespaced_custom_object(
+                "ray.io", "v1", ns, "rayclusters")["items"]],
+            "pods": [p.metadata.name for p in real.core.list_namespaced_pod(ns).items],
+            "services": [s.metadata.name for s in real.core.list_namespaced_service(ns).items],
+            # The job's own ConfigMap and the shared runtime ConfigMap (garbage-collected with its last owner).
+            "configmaps": [c.metadata.name for c in real.core.list_namespaced_config_map(ns).items
+                           if c.metadata.name != "kube-root-ca.crt"],
+            "jobs": [j.metadata.name for j in client.BatchV1Api(real.core.api_client).list_namespaced_job(
+                ns, label_selector=sel).items],
+            "containers": node_containers(real, ns),
+        }
+        return {k: v for k, v in found.items() if v}
+
+    deadline = time.monotonic() + 300
+    while (left := leftovers()) and time.monotonic() < deadline:
+        time.sleep(2)
+    assert not left, f"left behind after the delete: {left}"
