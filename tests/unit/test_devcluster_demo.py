@@ -72,3 +72,26 @@ def test_a_renamed_deployment_is_an_error_not_a_silent_no_op() -> None:
     docs = [d for d in deploy_docs() if d["kind"] != "Deployment"]
     with pytest.raises(DevClusterError, match="no Deployment"):
         demo.adapt_deploy(docs, "https://127.0.0.1:1", 2)
+
+
+def test_images_cli_rejects_an_unknown_image_and_accepts_none(monkeypatch: pytest.MonkeyPatch,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    """`finetune dev-cluster images` with no name builds the default set (Python 3.11's argparse rejected
+    an empty list against `choices`); an unknown name is an error that lists the valid ones. Only the argument handling is under test here:
+    the two builds are stand-ins (tests/images/ builds the images for real)."""
+    from finetune_operator.devcluster import images
+
+    built: list[str] = []
+
+    class Fake:
+        def __init__(self, name: str) -> None:
+            self.ref, self.key, self.path = f"localhost/{name}:x", "k", Path("/dev/null")
+
+    monkeypatch.setattr(images, "ray_image", lambda stack, log: built.append(f"ray-{stack}") or Fake("ray"))
+    monkeypatch.setattr(images, "operator_image", lambda log: built.append("operator") or Fake("operator"))
+    assert images.main([]) == 0
+    assert built == ["ray-dlc", "operator"]
+    with pytest.raises(SystemExit) as exc:
+        images.main(["rays"])
+    assert exc.value.code == 2
+    assert "unknown image 'rays' (choose from ray, operator, base)" in capsys.readouterr().err

@@ -658,11 +658,15 @@ def operator_image(log: Log = print) -> ImageArchive:
 # ------------------------------------------------------------------------------------------------ CLI
 
 
+IMAGE_NAMES = ("ray", "operator", "base")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="finetune dev-cluster images",
                                 description="Build the real node's images (cached) and print their archives.")
-    p.add_argument("which", nargs="*", choices=["ray", "operator", "base"], default=[],
-                   help="images to build (default: ray and operator)")
+    # No `choices` here: Python 3.11's argparse checks an empty `nargs="*"` list against them and
+    # rejects a plain `finetune dev-cluster images` (checked below instead).
+    p.add_argument("which", nargs="*", metavar="{ray,operator,base}", help="images to build (default: ray and operator)")
     p.add_argument("--stack", choices=STACKS, default="dlc", help="the Ray image's Python stack (default dlc)")
     p.add_argument("--json", action="store_true", help="print {name: {ref, path, key}} as JSON")
     sub = argv if argv is not None else sys.argv[1:]
@@ -679,6 +683,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {e}", file=sys.stderr)
             return 1
     args = p.parse_args(sub)
+    unknown = [w for w in args.which if w not in IMAGE_NAMES]
+    if unknown:
+        p.error(f"unknown image {unknown[0]!r} (choose from {', '.join(IMAGE_NAMES)})")
     which = args.which or ["ray", "operator"]
     built: dict[str, ImageArchive] = {}
     try:
