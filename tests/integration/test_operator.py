@@ -284,6 +284,39 @@ def test_progress_channel_authenticates_per_job(kube: Kube, namespace: str, oper
              timeout=30)
 
 
+def test_a_report_from_an_earlier_ray_cluster_is_refused(kube: Kube, namespace: str, operator: OperatorProcess) -> None:
+    """Issue 9, item 3: after a retry or a resume KubeRay runs the job on a new RayCluster; a pod of the
+    earlier one (still terminating, its token still valid) must not overwrite the status. The stale pod
+    here is made by hand exactly as KubeRay labels its Ray pods, only with the earlier cluster's name."""
+    create(kube, namespace, ftj("gamma"))
+    wait_for("gamma pods", lambda: worker_pods(kube, namespace, "gamma"), timeout=90)
+    current_pod = worker_pods(kube, namespace, "gamma")[0]
+    current = current_pod.metadata.labels["ray.io/cluster"]
+    assert rayjobs(kube, namespace)[0]["status"]["rayClusterName"] == current
+    stale_pod = kube.core.create_namespaced_pod(namespace, client.V1Pod(
+        metadata=client.V1ObjectMeta(name="gamma-earlier-worker", labels={
+            "finetune.dev/job": "gamma", "ray.io/cluster": f"{current}-earlier", "ray.io/node-type": "worker"}),
+        spec=client.V1PodSpec(containers=[client.V1Container(name="ray-worker", image="unused")],
+                              node_selector={"finetune.dev/nowhere": "true"})))  # stays Pending: enough for a token
+    audience = f"finetune.dev/progress/{namespace}/gamma"
+    stale_token = _token(kube, namespace, stale_pod, audience)
+    stale = {"rank": 0, "training": {"step": 90, "totalSteps": 100, "loss": 9.99}}
+
+    def refused() -> tuple[int, str] | None:
+        code, text = operator.post(namespace, "gamma", stale, stale_token)
+        assert code in (202, 409), (code, text)
+        return (code, text) if code == 409 else None
+
+    code, text = wait_for("the stale report refused", refused, timeout=30)  # type: ignore[misc]
+    assert f"{current}-earlier" in text and current in text, text
+    code, text = operator.post(namespace, "gamma", {"rank": 0, "training": {"step": 3, "totalSteps": 100, "loss": 1.5}},
+                               _token(kube, namespace, current_pod, audience))
+    assert code == 202, text
+    wait_for("the current cluster's report in status",
+             lambda: (status(kube, namespace, "gamma").get("training") or {}).get("loss") == 1.5, timeout=30)
+    assert status(kube, namespace, "gamma")["step"] == "3/100"
+
+
 def test_standby_replica_does_not_act(kube: Kube, namespace: str, operator: OperatorProcess,
                                       operator_kubeconfig: Path, tmp_path: Path) -> None:
     standby = OperatorProcess(operator_kubeconfig, tmp_path, identity="op-b", lease_namespace=LEASE_NS)

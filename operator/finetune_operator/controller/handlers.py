@@ -35,7 +35,8 @@ def build_registry(queue: WorkQueue, reconciler: Reconciler, progress: ProgressS
 
     @kopf.on.event("ray.io", "v1", "rayjobs", labels={JOB_LABEL: kopf.PRESENT}, registry=registry)
     def rayjob(**kw: Any) -> None:
-        reconciler.observe_rayjob(kw["namespace"], kw["labels"][JOB_LABEL], kw["event"].get("object") or {})
+        reconciler.observe_rayjob(kw["namespace"], kw["labels"][JOB_LABEL], kw["event"].get("object") or {},
+                                  deleted=kw["event"].get("type") == "DELETED")
         queue.add(kw["namespace"], kw["labels"][JOB_LABEL])
 
     @kopf.on.event("", "v1", "pods", labels={JOB_LABEL: kopf.PRESENT}, registry=registry)

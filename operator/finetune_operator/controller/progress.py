@@ -58,6 +58,7 @@ def unverified_audiences(token: str) -> list[str]:
 class Verdict:
     code: int
     message: str
+    cluster: str | None = None  # the `ray.io/cluster` label of the pod the token is bound to
 
 
 @dataclass
@@ -98,6 +99,7 @@ class ProgressServer:
         auth_cache_seconds: float = 60.0,
         clock: Callable[[], str] | None = None,
         limits: Limits | None = None,
+        current_cluster: Callable[[str, str], str | None] = lambda ns, name: None,
     ):
         from .reconcile import utcnow
 
@@ -105,6 +107,9 @@ class ProgressServer:
         self.metrics = metrics
         self.on_flushed = on_flushed
         self.flush_interval = flush_interval
+        # The job's current RayCluster (from the RayJob's status): a report from a pod of another one comes
+        # from an earlier attempt (a retry or a suspend replaced the cluster) and must not overwrite status.
+        self.current_cluster = current_cluster
         self.auth_cache_seconds = auth_cache_seconds
         self.clock = clock or utcnow
         self.pending: dict[tuple[str, str], _Pending] = {}
@@ -171,7 +176,7 @@ class ProgressServer:
         owner = (pod["metadata"].get("labels") or {}).get(JOB_LABEL)
         if owner != name:
             return Verdict(403, f"pod {pod_name} belongs to job {owner!r}, not {name!r}")
-        return Verdict(200, "ok")
+        return Verdict(200, "ok", cluster=(pod["metadata"].get("labels") or {}).get("ray.io/cluster"))
 
     # ----------------------------------------------------------------------------------------- HTTP
     async def handle_progress(self, request: web.Request) -> web.Response:
@@ -195,6 +200,10 @@ class ProgressServer:
         except ValidationError as err:
             first = err.errors(include_url=False)[0]
             return self._reply(422, f"{'.'.join(str(p) for p in first['loc'])}: {first['msg']}")
+        current = self.current_cluster(ns, name)
+        if verdict.cluster and current and verdict.cluster != current:
+            return self._reply(409, f"report from Ray cluster {verdict.cluster}, an earlier attempt of {ns}/{name}; "
+                                    f"the job now runs on {current}: ignored")
         self.accept(ns, name, report)
         return self._reply(202, "accepted")
 

@@ -155,19 +155,32 @@ class Reconciler:
         # so a RayJob KubeRay deletes the moment it finishes still decides the outcome.
         self.final_rayjob_status: dict[str, Obj] = {}
         self._rayjob_uids: dict[tuple[str, str], set[str]] = {}
+        # The RayCluster each job's RayJob runs on now (KubeRay names a new one per retry and after a resume).
+        self.ray_clusters: dict[tuple[str, str], str] = {}
         self._stall_checks: dict[tuple[str, str], float] = {}
 
     def forget(self, namespace: str, name: str) -> None:
         self.phases.pop((namespace, name), None)
         self._stall_checks.pop((namespace, name), None)
+        self.ray_clusters.pop((namespace, name), None)
         for uid in self._rayjob_uids.pop((namespace, name), set()):
             self.final_rayjob_status.pop(uid, None)
         self.metrics.forget(namespace, name)
 
-    def observe_rayjob(self, namespace: str, job_name: str, rayjob: Obj) -> None:
+    def observe_rayjob(self, namespace: str, job_name: str, rayjob: Obj, deleted: bool = False) -> None:
         """Called with every watched RayJob (also the DELETED event's last state)."""
-        uid = (rayjob.get("metadata") or {}).get("uid")
+        meta = rayjob.get("metadata") or {}
+        uid = meta.get("uid")
         st = rayjob.get("status") or {}
+        key = (namespace, job_name)
+        cluster = st.get("rayClusterName")
+        if deleted or meta.get("deletionTimestamp"):
+            # A RayJob on its way out (also the old one of a job deleted and re-created under its name)
+            # never names the current cluster; forgetting its own entry only makes the fence permissive.
+            if cluster and self.ray_clusters.get(key) == cluster:
+                del self.ray_clusters[key]
+        elif cluster:
+            self.ray_clusters[key] = cluster
         if uid and st.get("jobDeploymentStatus") in ("Complete", "Failed", "ValidationFailed"):
             self.final_rayjob_status[uid] = dict(st)
             self._rayjob_uids.setdefault((namespace, job_name), set()).add(uid)
