@@ -16,9 +16,19 @@ demo-cluster: setup control-plane
 
 # Second command: set up (venv + Go-built control plane), lint/type-check, and run the whole test suite;
 # then tests/training once more on the Ray Train DLC's own stack (Python 3.13 + requirements/dlc.txt).
-test: setup control-plane lint
+test: setup prebuild lint
 	.venv/bin/python -m pytest -ra
 	./scripts/test-training-dlc
+
+# Everything the suite builds, once, cached by version under ~/.cache/finetune-operator (a no-op when warm):
+# every Go-built part (control plane, KubeRay, kwok, the real node's parts, Argo CD, Helm, promtool, Grafana's
+# schema check) and, side by side with the Go builds (mostly downloads and unpacking), the real node's images
+# with the Ray Train DLC's stack that tests/training also runs on.
+prebuild: setup
+	@.venv/bin/finetune dev-cluster images > .venv/prebuild-images.log 2>&1 & images=$$!; \
+	.venv/bin/finetune dev-cluster build --real-node; rc=$$?; \
+	if ! wait $$images; then cat .venv/prebuild-images.log; rc=1; fi; \
+	tail -n 3 .venv/prebuild-images.log; exit $$rc
 
 control-plane: setup
 	.venv/bin/finetune dev-cluster build

@@ -35,7 +35,7 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -240,21 +240,35 @@ def _copy_assets(comp: Component, module_dir: Path, out: Path) -> None:
             shutil.copyfile(stage, out / "stages" / stage.name)
 
 
+def apt_install(packages: Sequence[str]) -> tuple[bool, str]:
+    """``apt-get install -y`` (then ``apt-get update`` and once more if that failed: a fresh machine's lists
+    may be stale or empty). Returns (ok, the output's tail). Serialised across our processes (``make
+    prebuild`` builds images beside the Go builds, both may install packages), and apt itself waits for a
+    dpkg lock held by anyone else instead of failing at once."""
+    apt = shutil.which("apt-get")
+    if apt is None:
+        return False, "there is no apt-get"
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    wait = ["-o", "DPkg::Lock::Timeout=600"]
+    cache_dir().mkdir(parents=True, exist_ok=True)
+    with open(cache_dir() / ".apt.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        r = subprocess.run([apt, *wait, "install", "-y", "-q", *packages], env=env, capture_output=True, text=True)
+        if r.returncode != 0:
+            subprocess.run([apt, *wait, "update", "-q"], env=env, capture_output=True)
+            r = subprocess.run([apt, *wait, "install", "-y", "-q", *packages], env=env, capture_output=True, text=True)
+    return r.returncode == 0, f"{r.stdout[-2000:]}{r.stderr[-2000:]}"
+
+
 def _ensure_libseccomp(log: Log) -> None:
     """runc's seccomp build links libseccomp: install Debian's -dev package when its header is missing."""
     if Path("/usr/include/seccomp.h").is_file():
         return
-    apt = shutil.which("apt-get")
-    if apt is None:
-        raise BuildError("runc: needs libseccomp's headers (/usr/include/seccomp.h) and there is no apt-get")
     log("[build] runc: installing libseccomp-dev (apt-get)")
-    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    r = subprocess.run([apt, "install", "-y", "-q", "libseccomp-dev"], env=env, capture_output=True, text=True)
-    if r.returncode != 0:
-        subprocess.run([apt, "update", "-q"], env=env, capture_output=True)
-        r = subprocess.run([apt, "install", "-y", "-q", "libseccomp-dev"], env=env, capture_output=True, text=True)
-    if r.returncode != 0:
-        raise BuildError(f"runc: apt-get install libseccomp-dev failed:\n{r.stdout[-2000:]}{r.stderr[-2000:]}")
+    ok, out = apt_install(["libseccomp-dev"])
+    if not ok:
+        raise BuildError(f"runc: needs libseccomp's headers (/usr/include/seccomp.h); apt-get install libseccomp-dev "
+                         f"failed:\n{out}")
 
 
 def _build_one(comp: Component, go: str, go_version: str, log: Log) -> float:

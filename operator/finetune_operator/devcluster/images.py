@@ -47,7 +47,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from .build import cache_dir
+from .build import apt_install, cache_dir
 
 Log = Callable[[str], None]
 
@@ -127,11 +127,9 @@ def ensure_tools(names: Sequence[str], log: Log = print) -> None:
     if os.geteuid() != 0:
         raise ImageError(f"missing {', '.join(missing)} (Debian packages) and not root to install them")
     log(f"[images] apt-get install {' '.join(missing)}")
-    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    for cmd in (["apt-get", "update", "-q"], ["apt-get", "install", "-y", "-q", *missing]):
-        r = subprocess.run(cmd, env=env, capture_output=True, text=True)
-        if r.returncode != 0:
-            raise ImageError(f"{' '.join(cmd)} failed:\n{(r.stdout + r.stderr)[-3000:]}")
+    ok, out = apt_install(missing)
+    if not ok:
+        raise ImageError(f"apt-get install {' '.join(missing)} failed:\n{out}")
 
 
 @contextmanager

@@ -208,17 +208,10 @@ def ensure_debian_packages(commands: dict[str, str], log: Log) -> None:
     missing = sorted({pkg for cmd, pkg in commands.items() if shutil.which(cmd) is None})
     if not missing:
         return
-    apt = shutil.which("apt-get")
-    if apt is None:
-        raise RealNodeError(f"the real node needs {', '.join(missing)} (Debian packages) and there is no apt-get")
     log(f"[real-node] installing {' '.join(missing)} (apt-get)")
-    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    r = subprocess.run([apt, "install", "-y", "-q", *missing], env=env, capture_output=True, text=True)
-    if r.returncode != 0:
-        subprocess.run([apt, "update", "-q"], env=env, capture_output=True)
-        r = subprocess.run([apt, "install", "-y", "-q", *missing], env=env, capture_output=True, text=True)
-    if r.returncode != 0:
-        raise RealNodeError(f"apt-get install {' '.join(missing)} failed:\n{r.stdout[-2000:]}{r.stderr[-2000:]}")
+    ok, out = build.apt_install(missing)
+    if not ok:
+        raise RealNodeError(f"the real node needs {', '.join(missing)} (Debian packages); apt-get install failed:\n{out}")
 
 
 # ---- the node -----------------------------------------------------------------------------------------

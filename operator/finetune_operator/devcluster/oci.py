@@ -234,17 +234,11 @@ def _ensure_busybox(log: Log) -> Path:
     path = Path("/bin/busybox")
     if path.is_file():
         return path
-    apt = shutil.which("apt-get")
-    if apt is None:
-        raise build.BuildError("busybox image: needs /bin/busybox (Debian's busybox-static) and there is no apt-get")
     log("[image] installing busybox-static (apt-get)")
-    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    r = subprocess.run([apt, "install", "-y", "-q", "busybox-static"], env=env, capture_output=True, text=True)
-    if r.returncode != 0:
-        subprocess.run([apt, "update", "-q"], env=env, capture_output=True)
-        r = subprocess.run([apt, "install", "-y", "-q", "busybox-static"], env=env, capture_output=True, text=True)
-    if r.returncode != 0 or not path.is_file():
-        raise build.BuildError(f"busybox image: apt-get install busybox-static failed:\n{r.stdout[-2000:]}{r.stderr}")
+    ok, out = build.apt_install(["busybox-static"])
+    if not ok or not path.is_file():
+        raise build.BuildError(f"busybox image: needs /bin/busybox (Debian's busybox-static); apt-get install "
+                               f"busybox-static failed:\n{out}")
     return path
 
 
