@@ -404,6 +404,43 @@ def test_a_sigstopped_training_becomes_stalled_then_recovers_then_fails_by_polic
 # ------------------------------------------------------------------- 5. progress reaches the leader
 
 
+def test_a_stalled_job_gets_a_new_ray_cluster_by_policy_restart_then_fails_when_none_is_left(
+        kube: Kube, namespace: str, operator: OperatorProcess) -> None:
+    """stallPolicy action Restart: the stalled job's RayJob is suspended (KubeRay deletes the Ray cluster),
+    then resumed (KubeRay creates a new one and submits again: the runtime resumes from its checkpoint, which
+    tests/integration/test_e2e_real_node.py shows for a suspend on real pods). Here nobody reports at all,
+    so each Ray cluster stalls after the 8 s window: one restart, then Failed with the count in the message."""
+    create(kube, namespace, ftj("restart", stallPolicy={"timeoutSeconds": 8, "action": "Restart", "maxRestarts": 1}))
+    running_with_uid(kube, namespace, "restart")
+    first = rayjobs(kube, namespace)[0]["status"]["rayClusterName"]
+    seen: dict[str, set[str]] = {"phases": set(), "clusters": {first}}
+
+    def observe() -> dict[str, Any]:
+        st = status(kube, namespace, "restart")
+        seen["phases"].add(str(st.get("phase")))
+        for rj in rayjobs(kube, namespace):
+            if (rj.get("status") or {}).get("rayClusterName"):
+                seen["clusters"].add(rj["status"]["rayClusterName"])
+        return st
+
+    st = wait_for("restart counted", lambda: (s := observe()).get("stallRestarts") == 1 and s, timeout=90)
+    running = condition(st, "Running")  # type: ignore[arg-type]
+    assert running["reason"] == "StallRestart" and "restart 1 of 1" in running["message"], running  # type: ignore[index]
+    wait_for("a new Ray cluster", lambda: observe() and len(seen["clusters"]) >= 2, timeout=180)
+    wait_for("Running on it", lambda: observe().get("phase") == "Running" and not observe().get("stallRestartPending"),
+             timeout=180)
+    assert status(kube, namespace, "restart")["rayClusterName"] != first
+    st = wait_for("Failed after the restart", lambda: (s := observe()).get("phase") == "Failed" and s, timeout=120)
+    failed = condition(st, "Failed")  # type: ignore[arg-type]
+    assert failed["reason"] == "Stalled" and "failed after 1 restart(s)" in failed["message"], failed  # type: ignore[index]
+    assert st["stallRestarts"] == 1  # type: ignore[index]
+    assert "Suspended" not in seen["phases"], seen  # a restart is never shown as a user's suspend
+    wait_for("RayJob suspended (cluster released)",
+             lambda: rayjobs(kube, namespace)[0]["spec"].get("suspend") is True, timeout=30)
+    events = [e.reason for e in kube.core.list_namespaced_event(namespace, field_selector="involvedObject.name=restart").items]
+    assert "StallRestart" in events and "Failed" in events, events
+
+
 def test_the_service_routes_progress_to_the_leader_only(kube: Kube, operator: OperatorProcess,
                                                         operator_kubeconfig: Path, tmp_path: Path) -> None:
     """deploy/operator.yaml on the dev cluster: kwok plays the two operator pods (it runs no containers

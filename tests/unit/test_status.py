@@ -8,7 +8,14 @@ import pytest
 from finetune_operator.api.validation import Issue, parse_job
 from finetune_operator.controller.preflight import check_capacity
 from finetune_operator.controller.reconcile import plan_children, with_hash
-from finetune_operator.controller.status import Observed, derive_status, fail_stalled, pods_of, seconds_until_stall
+from finetune_operator.controller.status import (
+    Observed,
+    derive_status,
+    fail_stalled,
+    pods_of,
+    restart_stalled,
+    seconds_until_stall,
+)
 
 from tests.builders import JobDoc
 
@@ -342,6 +349,41 @@ def test_stalled_clears_and_leaves_with_running() -> None:
     failed = fail_stalled(hung, LATER)
     assert failed["phase"] == "Failed" and cond(failed, "Failed")["reason"] == "Stalled"
     assert cond(failed, "Running")["status"] == "False" and not any(c["type"] == "Stalled" for c in failed["conditions"])
+
+
+def test_a_stall_restart_is_counted_pending_then_a_new_window() -> None:
+    """spec.stallPolicy.action Restart, the pure part (the reconciler's suspend/resume is in
+    tests/integration/test_lifecycle.py): counted, pending and Provisioning while the cluster is replaced,
+    then the window restarts from the new Running transition, not from the last (old) report."""
+    prev = with_report("2026-12-02T09:59:00Z", step=5, totalSteps=10)
+    hung = derive_status(generation=1, suspend=False, names=NAMES, prev=prev, observed=Observed(rayjob=rayjob("Running")),
+                         now=NOW, stall_timeout_seconds=8)
+    r1 = restart_stalled(hung, NOW, 3)
+    assert (r1["phase"], r1["stallRestarts"], r1["stallRestartPending"]) == ("Provisioning", 1, True)
+    assert cond(r1, "Running")["reason"] == "StallRestart" and "restart 1 of 3" in cond(r1, "Running")["message"]
+    assert not any(c["type"] == "Stalled" for c in r1["conditions"])
+    # While pending, whatever KubeRay says (Suspending, Suspended), the job is restarting, not Suspended.
+    for deploy in ("Running", "Suspending", "Suspended"):
+        mid = derive(Observed(rayjob={**rayjob(deploy), "spec": {"suspend": True}}), prev=r1)
+        assert mid["phase"] == "Provisioning" and mid["message"].startswith("restarting after a stall (restart 1)"), mid
+        assert mid["stallRestarts"] == 1 and mid["stallRestartPending"] is True
+    # Resumed (pending mark gone, RayJob suspend false): KubeRay's Suspended -> New is not "Suspended".
+    resumed = {k: v for k, v in r1.items() if k != "stallRestartPending"}
+    assert derive(Observed(rayjob={**rayjob("Suspended"), "spec": {"suspend": False}}), prev=resumed)["phase"] == "Provisioning"
+    assert derive(Observed(rayjob={**rayjob("Suspended"), "spec": {"suspend": True}}), prev=resumed)["phase"] == "Suspended"
+    # Running again at LATER: the old report (09:59) is long past the window, the new transition is not.
+    running = derive(Observed(rayjob=rayjob("Running")), prev=resumed, now=LATER)
+    assert running["phase"] == "Running" and running["stallRestarts"] == 1
+    assert not any(c["type"] == "Stalled" for c in running["conditions"])
+    assert seconds_until_stall(running, LATER, 8) == pytest.approx(9.0)
+    later = derive_status(generation=1, suspend=False, names=NAMES, prev=running,
+                          observed=Observed(rayjob=rayjob("Running")), now="2026-12-02T10:05:30Z", stall_timeout_seconds=8)
+    assert cond(later, "Stalled")["status"] == "True"
+    assert cond(later, "Stalled")["message"].startswith("running since 2026-12-02T10:05:00Z without any progress report")
+    r2 = restart_stalled(later, "2026-12-02T10:05:30Z", 3)
+    assert r2["stallRestarts"] == 2
+    failed = fail_stalled(later, "2026-12-02T10:05:30Z", "failed after 1 restart(s) by spec.stallPolicy.action Restart")
+    assert failed["phase"] == "Failed" and "after 1 restart(s)" in cond(failed, "Failed")["message"]
 
 
 def test_only_the_current_rayjobs_pods_are_observed() -> None:

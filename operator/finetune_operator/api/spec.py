@@ -502,6 +502,7 @@ def _dp_ranks_cel() -> str:
 class StallAction(str, Enum):
     report = "Report"
     fail = "Fail"
+    restart = "Restart"
 
 
 class StallPolicy(SpecModel):
@@ -520,8 +521,14 @@ class StallPolicy(SpecModel):
         default=StallAction.report,
         description=(
             "Report: a Stalled condition, a Warning Event and the finetune_job_stalled metric. Fail: also fail "
-            "the job and suspend its RayJob (the Ray cluster and its GPUs are released)."
+            "the job and suspend its RayJob (the Ray cluster and its GPUs are released). Restart: replace the "
+            "Ray cluster (suspend and resume the RayJob) so the training resumes from its last checkpoint, at "
+            "most maxRestarts times, then fail as with Fail."
         ),
+    )
+    max_restarts: int = Field(
+        default=3, ge=0, le=100,
+        description="With action Restart: restarts after a stall before the job fails as stalled (status.stallRestarts counts them).",
     )
 
 

@@ -102,6 +102,12 @@ class FinetuneJobStatus(StatusModel):
     runtime_phase: str | None = Field(
         default=None, description="Last phase the training runtime reported: Starting, Training, Exporting, Done, Failed."
     )
+    stall_restarts: int | None = Field(
+        default=None, description="Ray clusters replaced after a stall (spec.stallPolicy.action Restart)."
+    )
+    stall_restart_pending: bool | None = Field(
+        default=None, description="A stall restart is under way: the RayJob is suspended and is resumed once its Ray cluster is gone."
+    )
 
 
 class ProgressReport(StatusModel):

@@ -33,11 +33,13 @@ from .status import (
     BLOCKED,
     PROGRESS_FIELDS,
     RECONCILED,
+    RUNNING,
     STALLED,
     Observed,
     derive_status,
     fail_stalled,
     pods_of,
+    restart_stalled,
     seconds_until_stall,
     set_condition,
 )
@@ -243,6 +245,11 @@ class Reconciler:
                 rj = self.kube.get(RAYJOB, namespace, names["rayJob"])
                 if rj is not None and rj["metadata"].get("uid") == prev.get("rayJobUID") and owned_by(rj, meta["uid"]):
                     observed.rayjob = rj
+            elif prev.get("stallRestartPending") and not job.spec.suspend:
+                # A stall restart is under way: the RayJob stays suspended until KubeRay has deleted the Ray
+                # cluster (an apply of the plain spec would resume it before KubeRay saw the suspend).
+                held = job.model_copy(update={"spec": job.spec.model_copy(update={"suspend": True})})
+                self._ensure_children(held, prev, names, observed, cfg)
             else:
                 self._ensure_children(job, prev, names, observed, cfg)
 
@@ -273,13 +280,28 @@ class Reconciler:
         if prev.get("phase") in TERMINAL and new.get("phase") not in TERMINAL and observed.rayjob is None:
             new = {**prev, "observedGeneration": meta.get("generation")}  # finished and cleaned up: keep the verdict
         stalled = any(c["type"] == STALLED and c["status"] == "True" for c in new.get("conditions") or [])
-        fail = stalled and job is not None and job.spec.stall_policy.action == s.StallAction.fail
-        if fail:
+        policy = job.spec.stall_policy if job is not None else None
+        restart = stalled and policy is not None and policy.action == s.StallAction.restart
+        fail = stalled and policy is not None and policy.action == s.StallAction.fail
+        if restart and policy is not None and int(new.get("stallRestarts") or 0) >= policy.max_restarts:
+            restart, fail = False, True
+            new = fail_stalled(new, now, f"failed after {policy.max_restarts} restart(s) by spec.stallPolicy.action Restart")
+        elif fail:
             new = fail_stalled(new, now)
+        elif restart and policy is not None:
+            new = restart_stalled(new, now, policy.max_restarts)
+        resume = self._stall_restart_resume(namespace, names, prev, new, observed, bool(job and job.spec.suspend))
+        if resume:
+            new.pop("stallRestartPending", None)  # written only once the RayJob has been told to resume
         self._write_status(body, prev, new)
-        if fail:
-            # Release the Ray cluster (and its GPUs): KubeRay deletes it when the RayJob is suspended.
+        if fail or restart:
+            # Release the Ray cluster (and its GPUs): KubeRay deletes it when the RayJob is suspended. After a
+            # restart the reconciler resumes the RayJob once the cluster is gone (_stall_restart_resume).
             self.kube.patch(RAYJOB, namespace, names["rayJob"], {"spec": {"suspend": True}}, kind="RayJob")
+        if restart:
+            self.kube.event({"apiVersion": s.API_VERSION, "kind": s.KIND, "metadata": meta}, reason="StallRestart",
+                            message=str(next(c["message"] for c in new["conditions"] if c["type"] == RUNNING)),
+                            type_="Warning", now=self.clock())
         phase = str(new.get("phase"))
         self.phases[(namespace, name)] = phase
         self.metrics.set_phase(namespace, name, phase)
@@ -288,6 +310,24 @@ class Reconciler:
             self.requeue_after(namespace, name, BLOCKED_REQUEUE_SECONDS)
         self._schedule_stall_check(namespace, name, new, now, stall_timeout)
         return phase
+
+    def _stall_restart_resume(self, namespace: str, names: dict[str, str], prev: Obj, new: Obj, observed: Observed,
+                              user_suspend: bool) -> bool:
+        """A pending stall restart whose Ray cluster KubeRay has deleted (RayJob Suspended): resume the RayJob,
+        which makes KubeRay create a new cluster and submit the job again (it resumes from its checkpoint).
+        Returns True once the pending mark can go; the resume is patched before the status says so."""
+        if not prev.get("stallRestartPending") or not new.get("stallRestartPending") or user_suspend:
+            return False
+        rj = observed.rayjob
+        if rj is None:
+            return False
+        deploy = (rj.get("status") or {}).get("jobDeploymentStatus")
+        if deploy == "Suspended":
+            self.kube.patch(RAYJOB, namespace, names["rayJob"], {"spec": {"suspend": False}}, kind="RayJob")
+            return True
+        # Already resumed (the patch above went out, the status write after it did not): only clear the mark.
+        # (Only our resume sets the RayJob's suspend back to false while the mark is pending.)
+        return not (rj.get("spec") or {}).get("suspend") and deploy not in ("Suspending", "Suspended")
 
     def _schedule_stall_check(self, namespace: str, name: str, status: Obj, now: str, timeout: int | None) -> None:
         """Look again when the job would turn Stalled if no report arrives (at most one timer per job)."""

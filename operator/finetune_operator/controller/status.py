@@ -62,7 +62,8 @@ class Observed:
 
 # Carried over from the previous status untouched: progress (written by the progress flusher), the
 # recorded child UID and times.
-CARRIED = ("training", "network", "step", "runtimePhase", "rayJobUID", "startTime", "completionTime")
+CARRIED = ("training", "network", "step", "runtimePhase", "rayJobUID", "startTime", "completionTime", "stallRestarts",
+           "stallRestartPending")
 # Written only by the progress flusher (never part of the reconcile's change detection).
 PROGRESS_FIELDS = ("training", "network", "step", "runtimePhase")
 
@@ -194,14 +195,14 @@ def stall_check(status: Obj, conds: list[Obj], now: str, timeout_seconds: int | 
     if _WATCHDOG in str(net.get("message") or "").lower():
         return "NcclWatchdogTimeout", f"the workers report an NCCL watchdog timeout: {net.get('message')}"[:1000]
     running = next((c for c in conds if c["type"] == RUNNING and c.get("status") == "True"), None)
-    since = training.get("lastReportTime") or (running or {}).get("lastTransitionTime")
+    since = _stall_since(training, running)
     t_since, t_now = parse_time(since), parse_time(now)
     if t_since is None or t_now is None:
         return None
     window = stall_window(timeout_seconds, training)
     if (t_now - t_since).total_seconds() <= window:
         return None
-    if training.get("lastReportTime"):
+    if since == training.get("lastReportTime"):
         step = training.get("step")
         total = training.get("totalSteps")
         at = f" at step {step}/{total}" if step is not None and total else (f" at step {step}" if step is not None else "")
@@ -211,11 +212,21 @@ def stall_check(status: Obj, conds: list[Obj], now: str, timeout_seconds: int | 
                           "may be hung starting up (NCCL init, model download); see the workers' logs")
 
 
+def _stall_since(training: Obj, running: Obj | None) -> str | None:
+    """Where the stall window starts: the last progress report, or the Running transition if that is later
+    (a Ray cluster replaced after a stall, or a resume, starts a new window; the old report is older)."""
+    report, started = training.get("lastReportTime"), (running or {}).get("lastTransitionTime")
+    t_report, t_started = parse_time(report), parse_time(started)
+    if t_report is None or (t_started is not None and t_started > t_report):
+        return str(started) if started else None
+    return str(report)
+
+
 def seconds_until_stall(status: Obj, now: str, timeout_seconds: int | None) -> float | None:
     """When to look again for a running job that is not stalled yet (None: nothing to watch)."""
     training: Obj = status.get("training") or {}
     running = next((c for c in status.get("conditions") or [] if c["type"] == RUNNING and c.get("status") == "True"), None)
-    since = parse_time(training.get("lastReportTime") or (running or {}).get("lastTransitionTime"))
+    since = parse_time(_stall_since(training, running))
     t_now = parse_time(now)
     if since is None or t_now is None or status.get("phase") != "Running":
         return None
@@ -357,7 +368,14 @@ def derive_status(
         return finish(Phase.failed, message)
     _drop(conds, COMPLETE)
     _drop(conds, FAILED)
-    if suspend or deploy in ("Suspending", "Suspended"):
+    if not suspend and status.get("stallRestartPending"):
+        n = status.get("stallRestarts") or 1
+        why = f"restarting after a stall (restart {n}): the Ray cluster is replaced, the training resumes from its last checkpoint"
+        cond(RUNNING, False, "StallRestart", why)
+        _drop(conds, SUSPENDED)
+        return finish(Phase.provisioning, why)
+    # Suspended with spec.suspend false on the RayJob: KubeRay is about to resume it (not suspended any more).
+    if suspend or deploy == "Suspending" or (deploy == "Suspended" and (rj.get("spec") or {}).get("suspend", True)):
         cond(RUNNING, False, "Suspended", "suspended")
         cond(SUSPENDED, True, deploy or "Suspending", "spec.suspend is true: the Ray cluster is deleted")
         return finish(Phase.suspended, "suspended" if deploy == "Suspended" else "suspending")
@@ -394,16 +412,34 @@ def derive_status(
     return finish(Phase.provisioning, why)
 
 
-def fail_stalled(status: Obj, now: str) -> Obj:
-    """spec.stallPolicy.action Fail: the stalled running job becomes Failed (reason Stalled). Pure."""
+def fail_stalled(status: Obj, now: str, why: str = "failed by spec.stallPolicy.action Fail") -> Obj:
+    """spec.stallPolicy.action Fail (or Restart with no restart left): the stalled running job becomes Failed
+    (reason Stalled). Pure."""
     conds = [dict(c) for c in status.get("conditions") or []]
     stalled = next(c for c in conds if c["type"] == STALLED)
     gen = stalled.get("observedGeneration")
-    message = f"stalled ({stalled['reason']}): {stalled['message']}; failed by spec.stallPolicy.action Fail"[:1000]
+    message = f"stalled ({stalled['reason']}): {stalled['message']}; {why}"[:1000]
     set_condition(conds, RUNNING, "False", "Finished", "failed as stalled; the Ray cluster is released", now, gen)
     set_condition(conds, FAILED, "True", "Stalled", message, now, gen)
     _drop(conds, STALLED)
     out = {**status, "phase": Phase.failed.value, "message": message, "completionTime": now}
+    out["conditions"] = sorted(conds, key=lambda c: ORDER.index(c["type"]) if c["type"] in ORDER else 99)
+    return out
+
+
+def restart_stalled(status: Obj, now: str, max_restarts: int) -> Obj:
+    """spec.stallPolicy.action Restart: count the restart and mark it pending (the reconciler suspends the
+    RayJob, and resumes it once KubeRay has deleted the Ray cluster). Pure."""
+    conds = [dict(c) for c in status.get("conditions") or []]
+    stalled = next(c for c in conds if c["type"] == STALLED)
+    gen = stalled.get("observedGeneration")
+    n = int(status.get("stallRestarts") or 0) + 1
+    message = (f"stalled ({stalled['reason']}): {stalled['message']}; restart {n} of {max_restarts} by "
+               "spec.stallPolicy.action Restart: the Ray cluster is replaced, the training resumes from its last checkpoint")[:1000]
+    set_condition(conds, RUNNING, "False", "StallRestart", message, now, gen)
+    _drop(conds, STALLED)
+    out = {**status, "phase": Phase.provisioning.value, "message": message[:300], "stallRestarts": n,
+           "stallRestartPending": True}
     out["conditions"] = sorted(conds, key=lambda c: ORDER.index(c["type"]) if c["type"] in ORDER else 99)
     return out
 
