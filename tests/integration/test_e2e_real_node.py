@@ -253,11 +253,18 @@ def test_a_killed_worker_and_a_suspend_both_resume_from_the_last_checkpoint(real
     real.cluster.node.ctr(realnode.node_binaries(), "tasks", "kill", "--signal", "SIGKILL", cid)
     ckpt_at_kill = checkpoint_step(real, ns, name)
 
-    def restarted() -> bool:
-        pod = real.core.read_namespaced_pod(victim.metadata.name, ns)
-        return any((c.restart_count or 0) >= 1 for c in pod.status.container_statuses or [])
+    def restarted() -> str:
+        """kubelet restarted the container in place (restartPolicy Always), or KubeRay replaced the pod."""
+        try:
+            pod = real.core.read_namespaced_pod(victim.metadata.name, ns)
+        except ApiException as e:
+            return "pod replaced" if e.status == 404 else ""
+        if pod.metadata.uid != victim.metadata.uid:
+            return "pod replaced"
+        return "container restarted" if any((c.restart_count or 0) >= 1 for c in pod.status.container_statuses or []) else ""
 
-    wait_for(f"kubelet restarts {victim.metadata.name}", restarted, timeout=300, interval=1)
+    how = wait_for(f"the killed worker {victim.metadata.name} comes back", restarted, timeout=300, interval=1)
+    print(f"worker kill at checkpoint step {ckpt_at_kill}: {how}")
     first = wait_for("rank 0 resuming after the kill", lambda: resumed_steps(job_log(real, ns)), timeout=900, interval=2)
     assert isinstance(first, list)
     assert first[0] >= 10 and first[0] >= ckpt_at_kill, (first, ckpt_at_kill)  # not from step 0
