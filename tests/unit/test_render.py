@@ -16,6 +16,7 @@ from finetune_operator.render.rayjob import (
     render_rayjob,
     render_runtime_config_map,
     runtime_config_map_name,
+    suspension_patch,
     to_yaml,
 )
 
@@ -271,6 +272,27 @@ def test_suspended_job_uses_shutdown_after_finish() -> None:
     spec = rayjob_for(JobDoc().set("spec.suspend", True).set("spec.ttlSecondsAfterFinished", 30).obj())["spec"]
     assert spec["shutdownAfterJobFinishes"] is True and spec["ttlSecondsAfterFinished"] == 30
     assert "deletionStrategy" not in spec
+
+
+def test_the_operators_own_suspend_and_resume_patches_are_valid_for_kuberay() -> None:
+    """A stall policy suspends (and, with Restart, resumes) the RayJob by a merge patch: that patch turns
+    the rendered running spec into the rendered suspended one and back (suspend alone is ValidationFailed)."""
+    job = parse_job(JobDoc().set("spec.ttlSecondsAfterFinished", 30).obj())
+    running = render_rayjob(job, FAKE_RUNTIME, NO_PROGRESS)["spec"]
+    held = render_rayjob(job.model_copy(update={"spec": job.spec.model_copy(update={"suspend": True})}),
+                         FAKE_RUNTIME, NO_PROGRESS)["spec"]
+
+    def merge(spec: dict[str, Any], patch: dict[str, Any]) -> dict[str, Any]:
+        out = dict(spec)
+        for k, v in patch["spec"].items():
+            if v is None:
+                out.pop(k, None)
+            else:
+                out[k] = v
+        return out
+
+    assert merge(running, suspension_patch(job.spec, True)) == held
+    assert merge(held, suspension_patch(job.spec, False)) == running
 
 
 def test_submitter_pod_is_small_labelled_and_uses_a_cpu_image() -> None:

@@ -23,7 +23,7 @@ from ..api.policy import policy_issues
 from ..api.status import Phase
 from ..api.validation import SpecError, parse_job
 from ..render.config import RenderConfig
-from ..render.rayjob import JOB_LABEL, child_names, is_shared, render_children
+from ..render.rayjob import JOB_LABEL, child_names, is_shared, render_children, suspension_patch
 from .clusterconfig import ClusterConfig
 from .k8s import FTJ, NODES, PODS, RAYCLUSTER, RAYJOB, ApiError, Kube, gvr_of
 from .metrics import Metrics
@@ -290,14 +290,14 @@ class Reconciler:
             new = fail_stalled(new, now)
         elif restart and policy is not None:
             new = restart_stalled(new, now, policy.max_restarts)
-        resume = self._stall_restart_resume(namespace, names, prev, new, observed, bool(job and job.spec.suspend))
+        resume = job is not None and self._stall_restart_resume(namespace, names, prev, new, observed, job)
         if resume:
             new.pop("stallRestartPending", None)  # written only once the RayJob has been told to resume
         self._write_status(body, prev, new)
-        if fail or restart:
+        if (fail or restart) and job is not None:
             # Release the Ray cluster (and its GPUs): KubeRay deletes it when the RayJob is suspended. After a
             # restart the reconciler resumes the RayJob once the cluster is gone (_stall_restart_resume).
-            self.kube.patch(RAYJOB, namespace, names["rayJob"], {"spec": {"suspend": True}}, kind="RayJob")
+            self.kube.patch(RAYJOB, namespace, names["rayJob"], suspension_patch(job.spec, True), kind="RayJob")
         if restart:
             self.kube.event({"apiVersion": s.API_VERSION, "kind": s.KIND, "metadata": meta}, reason="StallRestart",
                             message=str(next(c["message"] for c in new["conditions"] if c["type"] == RUNNING)),
@@ -312,18 +312,18 @@ class Reconciler:
         return phase
 
     def _stall_restart_resume(self, namespace: str, names: dict[str, str], prev: Obj, new: Obj, observed: Observed,
-                              user_suspend: bool) -> bool:
+                              job: s.FinetuneJob) -> bool:
         """A pending stall restart whose Ray cluster KubeRay has deleted (RayJob Suspended): resume the RayJob,
         which makes KubeRay create a new cluster and submit the job again (it resumes from its checkpoint).
         Returns True once the pending mark can go; the resume is patched before the status says so."""
-        if not prev.get("stallRestartPending") or not new.get("stallRestartPending") or user_suspend:
+        if not prev.get("stallRestartPending") or not new.get("stallRestartPending") or job.spec.suspend:
             return False
         rj = observed.rayjob
         if rj is None:
             return False
         deploy = (rj.get("status") or {}).get("jobDeploymentStatus")
         if deploy == "Suspended":
-            self.kube.patch(RAYJOB, namespace, names["rayJob"], {"spec": {"suspend": False}}, kind="RayJob")
+            self.kube.patch(RAYJOB, namespace, names["rayJob"], suspension_patch(job.spec, False), kind="RayJob")
             return True
         # Already resumed (the patch above went out, the status write after it did not): only clear the mark.
         # (Only our resume sets the RayJob's suspend back to false while the mark is pending.)

@@ -393,6 +393,14 @@ def _submitter(job: s.FinetuneJob, cfg: RenderConfig) -> Obj:
     return {"metadata": {"labels": labels(job, "submitter")}, "spec": pod}
 
 
+def suspension_patch(spec: s.FinetuneJobSpec, suspend: bool) -> Obj:
+    """A JSON merge patch for the RayJob's spec that suspends or resumes it on the operator's own initiative
+    (a stall policy), with the cleanup fields KubeRay's validation demands for that state (see _cleanup):
+    patching `suspend` alone onto a RayJob rendered with deletionRules makes KubeRay mark it ValidationFailed."""
+    cleanup = _cleanup(spec.model_copy(update={"suspend": suspend}))
+    return {"spec": {"suspend": suspend, "deletionStrategy": None, "ttlSecondsAfterFinished": None, **cleanup}}
+
+
 def _cleanup(spec: s.FinetuneJobSpec) -> Obj:
     """When KubeRay deletes the Ray cluster. Success: after ttlSecondsAfterFinished. Failure: after
     ttlSecondsAfterFailure, so the pods' logs can still be read. KubeRay v1.6 expresses per-outcome TTLs
