@@ -377,8 +377,11 @@ def test_a_sigstopped_training_becomes_stalled_then_recovers_then_fails_by_polic
         assert f"step {st['training']['step']}/100000" in stalled["message"]  # type: ignore[index]
         assert st["phase"] == "Running" and st["message"].startswith("stalled")  # type: ignore[index]
         assert st["training"]["step"] >= (stopped_at or 0)  # type: ignore[index]
-        events = kube.core.list_namespaced_event(namespace, field_selector="involvedObject.name=hang").items
-        assert any(e.type == "Warning" and e.reason == "Stalled" for e in events)
+        # The Event follows the status write: wait for it rather than race it.
+        wait_for("a Warning Event Stalled", lambda: any(
+            e.type == "Warning" and e.reason == "Stalled"
+            for e in kube.core.list_namespaced_event(namespace, field_selector="involvedObject.name=hang").items),
+            timeout=15)
         assert f'finetune_job_stalled{{name="hang",namespace="{namespace}"}} 1.0' in operator.metrics()
         trainer.send_signal(signal.SIGCONT)  # it recovers
         wait_for("Stalled=False", lambda: (c := condition(status(kube, namespace, "hang"), "Stalled"))
@@ -430,7 +433,11 @@ def test_a_stalled_job_gets_a_new_ray_cluster_by_policy_restart_then_fails_when_
     wait_for("Running on it", lambda: observe().get("phase") == "Running" and not observe().get("stallRestartPending"),
              timeout=180)
     assert status(kube, namespace, "restart")["rayClusterName"] != first
-    st = wait_for("Failed after the restart", lambda: (s := observe()).get("phase") == "Failed" and s, timeout=120)
+    try:
+        st = wait_for("Failed after the restart", lambda: (s := observe()).get("phase") == "Failed" and s, timeout=120)
+    except BaseException:
+        print(status(kube, namespace, "restart"), rayjobs(kube, namespace))
+        raise
     failed = condition(st, "Failed")  # type: ignore[arg-type]
     assert failed["reason"] == "Stalled" and "failed after 1 restart(s)" in failed["message"], failed  # type: ignore[index]
     assert st["stallRestarts"] == 1  # type: ignore[index]

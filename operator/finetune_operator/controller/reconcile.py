@@ -277,8 +277,10 @@ class Reconciler:
             stall_timeout_seconds=stall_timeout,
             detect_stalls=bool(self.cfg.progress_url),  # no progress channel: silence means nothing
         )
-        if prev.get("phase") in TERMINAL and new.get("phase") not in TERMINAL and observed.rayjob is None:
-            new = {**prev, "observedGeneration": meta.get("generation")}  # finished and cleaned up: keep the verdict
+        if prev.get("phase") in TERMINAL and new.get("phase") not in TERMINAL:
+            # A verdict is final: finished and cleaned up (no RayJob), or a RayJob the operator suspended to
+            # release a failed job's cluster (stallPolicy), which would otherwise read as Suspended.
+            new = {**prev, "observedGeneration": meta.get("generation")}
         stalled = any(c["type"] == STALLED and c["status"] == "True" for c in new.get("conditions") or [])
         policy = job.spec.stall_policy if job is not None else None
         restart = stalled and policy is not None and policy.action == s.StallAction.restart
