@@ -301,7 +301,7 @@ def test_deleting_a_running_job_leaves_nothing_behind(real: E2E, ns: str) -> Non
     wait_for("training under way", lambda: (ftj_status(real, ns, name).get("training") or {}).get("step"),
              timeout=1200, interval=1)
     assert node_containers(real, ns), "the job's containers should be running on the node"
-    kubectl(real.kubeconfig, "delete", "-n", ns, "ftj", name, "--wait=true", "--timeout=300s", timeout=330)
+    demo.kubectl(real.kubeconfig, "delete", "-n", ns, "ftj", name, "--wait=true", "--timeout=300s", timeout=330)
 
     def leftovers() -> dict[str, list[str]]:
         sel = f"{JOB_LABEL}={name}"

@@ -269,9 +269,12 @@ def test_delete_and_recreate_waits_for_the_previous_rayjob(kube: Kube, namespace
 
     def still_blocked() -> bool:
         s = status(kube, namespace, "again")
-        (rj,) = rayjobs(kube, namespace)
-        return (s.get("phase") == "Pending" and condition(s, "Failed") is None and not s.get("rayJobUID")
-                and rj["metadata"]["uid"] == old_uid)
+        rjs = rayjobs(kube, namespace)
+        ok = (s.get("phase") == "Pending" and condition(s, "Failed") is None and not s.get("rayJobUID")
+              and [r["metadata"]["uid"] for r in rjs] == [old_uid])
+        if not ok:
+            print(f"not blocked as expected: status {s}; RayJobs {[(r['metadata']['uid'], r['metadata'].get('ownerReferences')) for r in rjs]}")
+        return ok
 
     stays("the new job waits, never Failed and never following the old RayJob", still_blocked, 8)
     events = kube.core.list_namespaced_event(namespace, field_selector="involvedObject.name=again").items
