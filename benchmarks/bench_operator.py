@@ -44,7 +44,7 @@ sys.path.insert(0, str(ROOT))
 from finetune_operator.devcluster import DevCluster
 from kubernetes import client, config, watch
 
-from tests.integration.operator_fixtures import OperatorProcess, example, service_account_kubeconfig
+from tests.integration.operator_fixtures import OperatorProcess, example, pod_token, service_account_kubeconfig
 
 OPERATOR_USER = "system:serviceaccount:finetune-system:finetune-operator"
 AUDIT_POLICY = f"""apiVersion: audit.k8s.io/v1
@@ -344,12 +344,7 @@ def main() -> int:
                 if not pods:
                     continue
                 pod = pods[0]
-                req = client.AuthenticationV1TokenRequest(spec=client.V1TokenRequestSpec(
-                    audiences=[f"finetune.dev/progress/{ns}/{n}"], expiration_seconds=3600,
-                    bound_object_ref=client.V1BoundObjectReference(kind="Pod", api_version="v1", name=pod.metadata.name,
-                                                                   uid=pod.metadata.uid)))
-                token = core.create_namespaced_service_account_token(pod.spec.service_account_name or "default", ns, req)
-                reporters.append((ns, n, token.status.token))
+                reporters.append((ns, n, pod_token(core, ns, pod, f"finetune.dev/progress/{ns}/{n}", 3600)))
             posted: dict[tuple[str, int], float] = {}
             codes: dict[int, int] = {}
             asyncio.run(report_progress(op.url, reporters, args.report_seconds, posted, codes))

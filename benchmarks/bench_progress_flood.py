@@ -28,7 +28,7 @@ from finetune_operator.devcluster import DevCluster
 from kubernetes import client, config
 
 from tests.integration.flood import flood, lease_sampler
-from tests.integration.operator_fixtures import OperatorProcess, example, service_account_kubeconfig
+from tests.integration.operator_fixtures import OperatorProcess, example, pod_token, service_account_kubeconfig
 
 LEASE_NS = "finetune-system"
 
@@ -79,12 +79,7 @@ def main() -> int:
                 print(f"no pod for {n} after 300 s; see {cluster.logs_dir}")
                 return 1
             pod = pods[0]
-            req = client.AuthenticationV1TokenRequest(spec=client.V1TokenRequestSpec(
-                audiences=[f"finetune.dev/progress/{ns}/{n}"], expiration_seconds=3600,
-                bound_object_ref=client.V1BoundObjectReference(kind="Pod", api_version="v1", name=pod.metadata.name,
-                                                               uid=pod.metadata.uid)))
-            token = core.create_namespaced_service_account_token(pod.spec.service_account_name or "default", ns, req)
-            jobs.append((ns, n, token.status.token))
+            jobs.append((ns, n, pod_token(core, ns, pod, f"finetune.dev/progress/{ns}/{n}", 3600)))
         samples: list[tuple[float, str, str]] = []
         stop = threading.Event()
         sampler = threading.Thread(target=lease_sampler, args=(

@@ -139,22 +139,27 @@ def kube(control_plane: DevCluster) -> Kube:
     )
 
 
-@pytest.fixture
-def namespace(kube: Kube, request: pytest.FixtureRequest) -> Iterator[str]:
-    slug = re.sub(r"[^a-z0-9]+", "-", request.node.name.lower()).strip("-")[:40].strip("-")
-    name = f"t-{slug}-{uuid.uuid4().hex[:6]}"
-    kube.core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=name)))
+def create_namespace(core: client.CoreV1Api, name: str, timeout: float = 60) -> None:
+    """Create namespace ``name`` and wait for its ``default`` ServiceAccount (pods need it to be admitted)."""
+    core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=name)))
 
     def default_sa() -> bool:
         try:
-            kube.core.read_namespaced_service_account("default", name)
+            core.read_namespaced_service_account("default", name)
             return True
         except ApiException as e:
             if e.status == 404:
                 return False
             raise
 
-    wait_for(f"ServiceAccount default in {name}", default_sa, timeout=30)
+    wait_for(f"ServiceAccount default in {name}", default_sa, timeout=timeout)
+
+
+@pytest.fixture
+def namespace(kube: Kube, request: pytest.FixtureRequest) -> Iterator[str]:
+    slug = re.sub(r"[^a-z0-9]+", "-", request.node.name.lower()).strip("-")[:40].strip("-")
+    name = f"t-{slug}-{uuid.uuid4().hex[:6]}"
+    create_namespace(kube.core, name, timeout=30)
     yield name
     kube.core.delete_namespace(name)
 

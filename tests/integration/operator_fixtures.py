@@ -153,3 +153,16 @@ def service_account_kubeconfig(admin: Path, out: Path) -> Path:
 
 def example(name: str) -> dict[str, Any]:
     return yaml.safe_load((ROOT / "examples" / name).read_text())  # type: ignore[no-any-return]
+
+
+def pod_token(core: Any, namespace: str, pod: Any, audience: str, seconds: int = 600) -> str:
+    """A service-account token bound to ``pod`` for ``audience``: what the kubelet projects into a Ray pod
+    for the progress channel (minted here through TokenRequest, as kwok runs no kubelet)."""
+    from kubernetes import client
+
+    req = client.AuthenticationV1TokenRequest(spec=client.V1TokenRequestSpec(
+        audiences=[audience], expiration_seconds=seconds,
+        bound_object_ref=client.V1BoundObjectReference(kind="Pod", api_version="v1", name=pod.metadata.name,
+                                                       uid=pod.metadata.uid)))
+    sa = pod.spec.service_account_name or "default"
+    return str(core.create_namespaced_service_account_token(sa, namespace, req).status.token)

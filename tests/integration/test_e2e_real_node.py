@@ -32,7 +32,7 @@ from finetune_operator.render.rayjob import JOB_LABEL
 from kubernetes import client, config
 from kubernetes.client.rest import ApiException
 
-from .conftest import wait_for
+from .conftest import create_namespace, wait_for
 
 pytestmark = [pytest.mark.real_node, pytest.mark.slow]
 
@@ -77,16 +77,7 @@ def real(tmp_path_factory: pytest.TempPathFactory) -> Iterator[E2E]:
 @pytest.fixture
 def ns(real: E2E) -> Iterator[str]:
     name = f"e2e-{uuid.uuid4().hex[:6]}"
-    real.core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=name)))
-
-    def default_sa() -> bool:
-        try:
-            real.core.read_namespaced_service_account("default", name)
-            return True
-        except ApiException:
-            return False
-
-    wait_for("default ServiceAccount", default_sa, timeout=60)
+    create_namespace(real.core, name)
     yield name
     real.core.delete_namespace(name)
 

@@ -14,7 +14,7 @@ from kubernetes import client
 from kubernetes.client.rest import ApiException
 
 from tests.integration.conftest import Kube, wait_for
-from tests.integration.operator_fixtures import OperatorProcess, example, service_account_kubeconfig
+from tests.integration.operator_fixtures import OperatorProcess, example, pod_token, service_account_kubeconfig
 
 G, V, P = "finetune.dev", "v1alpha1", "finetunejobs"
 SEED = "qwen2.5-1.5b-g6-efa.yaml"
@@ -240,12 +240,7 @@ def test_operator_killed_mid_reconcile_makes_no_duplicates(kube: Kube, namespace
 
 
 def _token(kube: Kube, namespace: str, pod: Any, audience: str) -> str:
-    req = client.AuthenticationV1TokenRequest(spec=client.V1TokenRequestSpec(
-        audiences=[audience], expiration_seconds=600,
-        bound_object_ref=client.V1BoundObjectReference(kind="Pod", api_version="v1", name=pod.metadata.name,
-                                                       uid=pod.metadata.uid)))
-    sa = pod.spec.service_account_name or "default"
-    return kube.core.create_namespaced_service_account_token(sa, namespace, req).status.token  # type: ignore[no-any-return]
+    return pod_token(kube.core, namespace, pod, audience)
 
 
 def test_progress_channel_authenticates_per_job(kube: Kube, namespace: str, operator: OperatorProcess) -> None:

@@ -20,9 +20,8 @@ import pytest
 from finetune_operator.devcluster import DevCluster, build, oci
 from finetune_operator.devcluster import node as realnode
 from kubernetes import client, config
-from kubernetes.client.rest import ApiException
 
-from .conftest import wait_for
+from .conftest import create_namespace, wait_for
 
 pytestmark = pytest.mark.real_node
 
@@ -90,16 +89,7 @@ def real(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealCluster]:
 @pytest.fixture
 def ns(real: RealCluster) -> Iterator[str]:
     name = f"rn-{uuid.uuid4().hex[:8]}"
-    real.core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=name)))
-
-    def default_sa() -> bool:
-        try:
-            real.core.read_namespaced_service_account("default", name)
-            return True
-        except ApiException:
-            return False
-
-    wait_for("default ServiceAccount", default_sa, timeout=60)
+    create_namespace(real.core, name)
     yield name
     real.core.delete_namespace(name)
 
