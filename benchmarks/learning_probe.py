@@ -47,6 +47,15 @@ def one(name: str, rng: random.Random) -> tuple[tuple[int, int], str, str]:
     if name == "restate":
         a, b = rng.randint(100, 999), rng.randint(100, 999)
         return (a, b), f"Question: Write {a} plus {b} in symbols.\nAnswer: ", f"{a} + {b}"
+    if name == "last7":
+        a = rng.randint(100, 999)
+        return (a, 7), f"Question: What is the last digit of {a} times 7?\nAnswer: ", str(a * 7 % 10)
+    if name == "last7s":
+        a = rng.randint(100, 999)
+        return (a, 7), f"Question: Last digit of 7 x {a}?\nAnswer: ", str(a * 7 % 10)
+    if name == "lastsum":
+        a, b = rng.randint(10, 99), rng.randint(10, 99)
+        return (a, b), f"Question: What is the last digit of {a} plus {b}?\nAnswer: ", str((a + b) % 10)
     if name == "count":
         a = rng.randint(10, 95)
         return (a, 1), f"Count on: {a}", " ".join(str(a + i) for i in range(1, 5))

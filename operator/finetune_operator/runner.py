@@ -99,7 +99,8 @@ async def run(args: argparse.Namespace) -> int:
     queue = WorkQueue(reconciler.reconcile, workers=args.workers)
     reconciler.requeue_after = queue.add_after
     progress = ProgressServer(kube, metrics, on_flushed=queue.add, flush_interval=args.flush_interval,
-                              current_cluster=lambda ns, name: reconciler.ray_clusters.get((ns, name)))
+                              current_cluster=lambda ns, name: reconciler.ray_clusters.get((ns, name)),
+                              current_uid=lambda ns, name: reconciler.uids.get((ns, name)))
     metrics.queue_depth.set_function(queue.depth)
 
     ssl_ctx = None

@@ -5,7 +5,9 @@ runc, kubelet) -> KubeRay's submitter -> ``python3 -m finetune_training`` -> Ray
 
 Nothing is simulated on this path: the images are built on this machine (the Ray image carries the Ray
 Train DLC's Python stack; the operator image is ``Dockerfile.operator`` built by buildah), the operator runs
-in the cluster as a pod from ``deploy/`` (kustomize; RBAC, admission policies, Service), the training code
+in the cluster as a pod installed by real helm from the chart in ``deploy/helm`` (RBAC, admission policies,
+Service; values ``demo.chart_values``; ``make demo-cluster`` installs the same objects with kustomize from
+``deploy/``, and tests/deploy/test_helm_chart.py proves chart and kustomize render the same), the training code
 reaches the Ray pods through the runtime ConfigMap, the model and data through the ``pvc://`` claim, and
 progress through the projected-token channel and the operator's Service. The steps are the ones
 ``make demo-cluster`` runs (``finetune_operator.devcluster.demo``).
@@ -55,7 +57,7 @@ def kubectl(kubeconfig: Path, *args: str, stdin: str | None = None) -> str:
 
 
 @pytest.fixture(scope="module")
-def real(tmp_path_factory: pytest.TempPathFactory) -> Iterator[E2E]:
+def real(tmp_path_factory: pytest.TempPathFactory, helm: Path) -> Iterator[E2E]:
     timings: dict[str, float] = {}
     workdir = tmp_path_factory.mktemp("e2e-real-node")
     cluster = DevCluster(workdir, nodes=1, die_with_parent=True, real_node=True)
@@ -65,8 +67,8 @@ def real(tmp_path_factory: pytest.TempPathFactory) -> Iterator[E2E]:
         timings["dev-cluster up --real-node"] = time.monotonic() - t0
         timings.update(demo.import_images(cluster))
         t0 = time.monotonic()
-        demo.install_operator(cluster)
-        timings["operator from deploy/ leading"] = time.monotonic() - t0
+        demo.install_operator(cluster, helm=helm)
+        timings["operator from the Helm chart leading"] = time.monotonic() - t0
         api = config.new_client_from_config(config_file=str(cluster.kubeconfig))
         yield E2E(cluster, Path(cluster.kubeconfig), client.CoreV1Api(api), client.CustomObjectsApi(api), timings)
     finally:

@@ -294,6 +294,72 @@ def test_delete_and_recreate_waits_for_the_previous_rayjob(kube: Kube, namespace
     assert st["rayJobUID"] == rj["metadata"]["uid"]  # type: ignore[index]
 
 
+def test_a_write_meant_for_a_deleted_job_never_lands_on_its_successor(
+        kube: Kube, namespace: str, operator: OperatorProcess, operator_kubeconfig: Path) -> None:
+    """A reconcile (or a progress flush) that read the job before `kubectl delete && kubectl apply` writes
+    after it: that write must not give the new job the old one's status (its RayJob UID: the new job would
+    then follow the old RayJob, or call its own RayJob lost once the old one is gone). Every status write is
+    UID-guarded (a JSON patch that tests metadata.uid first). This test plays the operator's part in-process
+    so the timing is exact: the one stand-in is the stale read itself (the reconcile is handed the old
+    object), since the window between a reconcile's GET and its PATCH cannot be hit on demand."""
+    from finetune_operator.controller.k8s import FTJ, ObjectReplaced, load_config
+    from finetune_operator.controller.k8s import Kube as OperatorKube
+    from finetune_operator.controller.reconcile import Reconciler
+    from finetune_operator.render.bundle import runtime_files
+    from finetune_operator.render.config import RenderConfig
+
+    operator.stop()  # nobody else writes these objects during the test
+    try:
+        op = OperatorKube(load_config(str(operator_kubeconfig)))
+        create(kube, namespace, ftj("again"))
+        old = kube.custom.get_namespaced_custom_object(G, V, namespace, P, "again")
+        old_uid = old["metadata"]["uid"]
+        # The guard lets a write through to its own object (the first one adds the whole status)...
+        op.patch_status(namespace, "again", {"phase": "Pending", "rayJobName": "again"}, uid=old_uid, has_status=False)
+        op.patch_status(namespace, "again", {"phase": "Running", "rayJobUID": "rayjob-of-the-old-job"}, uid=old_uid)
+        op.patch_status(namespace, "again", {"rayJobName": None}, uid=old_uid)  # None removes
+        assert status(kube, namespace, "again") == {"phase": "Running", "rayJobUID": "rayjob-of-the-old-job"}
+        old = kube.custom.get_namespaced_custom_object(G, V, namespace, P, "again")
+        kube.custom.delete_namespaced_custom_object(G, V, namespace, P, "again")
+
+        def gone() -> bool:
+            try:
+                kube.custom.get_namespaced_custom_object(G, V, namespace, P, "again")
+                return False
+            except ApiException as e:
+                return e.status == 404
+        wait_for("the old job gone", gone, timeout=30)
+        create(kube, namespace, ftj("again"))
+
+        # ... and refuses it on the successor.
+        with pytest.raises(ObjectReplaced):
+            op.patch_status(namespace, "again", {"phase": "Running", "rayJobUID": "rayjob-of-the-old-job"}, uid=old_uid)
+        assert status(kube, namespace, "again") == {}
+
+        # A reconcile that read the old job: it finds "its" RayJob gone and would write Failed; the write is
+        # refused, the reconcile ends quietly and asks for another (of the new object).
+        requeued: list[tuple[str, str, float]] = []
+        rec = Reconciler(op, RenderConfig(), runtime_files(), requeue_after=lambda ns, n, d: requeued.append((ns, n, d)))
+        real_get, stale = op.get, [old]
+
+        def get_once_stale(gvr: Any, ns: str | None, name: str) -> Any:  # the reconcile's first read only
+            return stale.pop() if gvr == FTJ and stale else real_get(gvr, ns, name)
+        op.get = get_once_stale  # type: ignore[method-assign]
+        assert rec.reconcile(namespace, "again") is None
+        assert requeued == [(namespace, "again", 0.0)]
+        assert status(kube, namespace, "again") == {}
+        assert rayjobs(kube, namespace) == []
+
+        # Why a JSON patch: a merge patch that carries the old UID in metadata is not refused by the status
+        # subresource (it copies the stored metadata over the patched object before validating).
+        op.request("PATCH", f"/apis/{G}/{V}/namespaces/{namespace}/{P}/again/status",
+                   body={"metadata": {"uid": old_uid}, "status": {"rayJobUID": "rayjob-of-the-old-job"}},
+                   content_type="application/merge-patch+json")
+        assert status(kube, namespace, "again") == {"rayJobUID": "rayjob-of-the-old-job"}
+    finally:
+        operator.start()
+
+
 # ------------------------------------------------------------------------------ 7. leader fencing
 
 

@@ -79,13 +79,16 @@ class StubKube:
     def __init__(self) -> None:
         self.reviews = 0
         self.patches: list[tuple[str, str, dict[str, object]]] = []
+        self.uids: list[str | None] = []
 
     def token_review(self, token: str, audiences: list[str]) -> dict[str, object]:
         self.reviews += 1
         return {"authenticated": False, "error": "invalid bearer token"}
 
-    def patch_status(self, ns: str, name: str, patch: dict[str, object]) -> dict[str, object]:
+    def patch_status(self, ns: str, name: str, patch: dict[str, object], uid: str | None = None,
+                     has_status: bool = True) -> dict[str, object]:
         self.patches.append((ns, name, patch))
+        self.uids.append(uid)
         return {}
 
 
@@ -132,6 +135,24 @@ def test_reconcile_after_a_flush_only_when_the_network_changed() -> None:
     assert flushed == ["a", "a"]
 
 
+def test_progress_is_flushed_to_the_object_it_was_reported_for() -> None:
+    from finetune_operator.api.status import ProgressReport
+
+    kube = StubKube()
+    current = {"uid": "uid-old"}
+    server = ProgressServer(kube, Metrics(), current_uid=lambda ns, n: current["uid"])  # type: ignore[arg-type]
+    server.accept("ns", "a", ProgressReport.model_validate({"rank": 0, "training": {"step": 7, "loss": 2.5}}))
+    server.flush_once()
+    assert kube.uids == ["uid-old"]  # the write is UID-guarded (k8s.Kube.patch_status)
+    # `kubectl delete && kubectl apply`: the reconciler now sees another object under the name. Progress
+    # accepted for the old one is not carried over to the new one.
+    current["uid"] = "uid-new"
+    server.accept("ns", "a", ProgressReport.model_validate({"rank": 0, "training": {"step": 1}}))
+    server.flush_once()
+    assert kube.uids == ["uid-old", "uid-new"]
+    assert kube.patches[-1][2]["training"] == {"step": 1, "lastReportTime": kube.patches[-1][2]["training"]["lastReportTime"]}
+
+
 class SlowKube(StubKube):
     """Status patches take a while (a round trip to a loaded API server); job `bad` gets a 500."""
 
@@ -141,7 +162,8 @@ class SlowKube(StubKube):
 
         self.lock, self.active, self.most = threading.Lock(), 0, 0
 
-    def patch_status(self, ns: str, name: str, patch: dict[str, object]) -> dict[str, object]:
+    def patch_status(self, ns: str, name: str, patch: dict[str, object], uid: str | None = None,
+                     has_status: bool = True) -> dict[str, object]:
         import time
 
         from finetune_operator.controller.k8s import ApiError

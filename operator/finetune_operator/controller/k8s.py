@@ -41,6 +41,11 @@ class ApiError(Exception):
         super().__init__(f"{what}: HTTP {status}: {self.message}")
 
 
+class ObjectReplaced(ApiError):
+    """A UID-guarded write found another object under the name: the one it was meant for was deleted and
+    a new one (`kubectl delete && kubectl apply`, Argo CD Replace) was created in its place."""
+
+
 def load_config(kubeconfig: str | None = None) -> client.ApiClient:
     if kubeconfig:
         cfg = client.Configuration()
@@ -159,15 +164,39 @@ class Kube:
             query={"fieldManager": FIELD_MANAGER, "force": "true"},
         )
 
-    def patch_status(self, namespace: str, name: str, status: Obj) -> Obj:
-        return self._write(
-            "patch-status",
-            s.KIND,
-            "PATCH",
-            _path(FTJ, namespace, name, "status"),
-            body={"status": status},
-            content_type="application/merge-patch+json",
-        )
+    def patch_status(self, namespace: str, name: str, status: Obj, uid: str | None = None,
+                     has_status: bool = True) -> Obj:
+        """Merge `status` into the FinetuneJob's status (a None value removes the field).
+
+        With `uid`, the write lands only on that object: a JSON patch whose first operation tests
+        `metadata.uid`, so a reconcile or a progress flush that began before the job was deleted and
+        re-created under the same name can never write the old job's status (its RayJob UID, its phase)
+        onto the new one. (A merge patch carrying `metadata.uid` is no guard: the status subresource
+        copies the stored metadata over the patched object before validating.) `has_status=False` (the
+        object read had no status yet) writes the whole status in one operation, as JSON patch cannot
+        add below a missing `/status`. Raises ObjectReplaced when the UID differs."""
+        if uid is None:
+            return self._write("patch-status", s.KIND, "PATCH", _path(FTJ, namespace, name, "status"),
+                               body={"status": status}, content_type="application/merge-patch+json")
+        ops: list[Obj] = [{"op": "test", "path": "/metadata/uid", "value": uid}]
+        if has_status:
+            for key, value in status.items():
+                ptr = "/status/" + key.replace("~", "~0").replace("/", "~1")
+                ops.append({"op": "remove", "path": ptr} if value is None else {"op": "add", "path": ptr, "value": value})
+        else:
+            ops.append({"op": "add", "path": "/status", "value": {k: v for k, v in status.items() if v is not None}})
+        try:
+            return self._write("patch-status", s.KIND, "PATCH", _path(FTJ, namespace, name, "status"), body=ops,
+                               content_type="application/json-patch+json")
+        except ApiError as err:
+            # A failed `test` comes back as a bare 422 ("the server rejected our request ..."; no details),
+            # like any other operation that does not apply: look whose object it is.
+            if err.status == 422:
+                now = self.get(FTJ, namespace, name)
+                if now is not None and now["metadata"].get("uid") != uid:
+                    raise ObjectReplaced(err.status, err.body, f"status of {namespace}/{name} (uid {uid}; now "
+                                                               f"{now['metadata'].get('uid')})") from None
+            raise
 
     def patch(self, gvr: tuple[str, str, str], namespace: str, name: str, body: Obj, kind: str,
               content_type: str = "application/merge-patch+json", fenced: bool = True) -> Obj:

@@ -68,6 +68,7 @@ class _Pending:
     runtime_phase: str | None = None
     dirty: bool = False
     flushed_network: dict[str, Any] = field(default_factory=dict)  # what the last flush wrote
+    uid: str | None = None  # the FinetuneJob the reports were accepted for
 
 
 def _merge(a: dict[str, Any], b: dict[str, Any] | None) -> dict[str, Any]:
@@ -100,6 +101,7 @@ class ProgressServer:
         clock: Callable[[], str] | None = None,
         limits: Limits | None = None,
         current_cluster: Callable[[str, str], str | None] = lambda ns, name: None,
+        current_uid: Callable[[str, str], str | None] = lambda ns, name: None,
     ):
         from .reconcile import utcnow
 
@@ -110,6 +112,9 @@ class ProgressServer:
         # The job's current RayCluster (from the RayJob's status): a report from a pod of another one comes
         # from an earlier attempt (a retry or a suspend replaced the cluster) and must not overwrite status.
         self.current_cluster = current_cluster
+        # The UID of the FinetuneJob the reconciler last saw under the name: a flush is written to that object
+        # only (a job deleted and re-created under its name must not get the old one's progress).
+        self.current_uid = current_uid
         self.auth_cache_seconds = auth_cache_seconds
         self.clock = clock or utcnow
         self.pending: dict[tuple[str, str], _Pending] = {}
@@ -209,6 +214,10 @@ class ProgressServer:
 
     def accept(self, namespace: str, name: str, report: ProgressReport) -> None:
         p = self.pending.setdefault((namespace, name), _Pending())
+        uid = self.current_uid(namespace, name)
+        if uid and p.uid and uid != p.uid:  # a new object under the name: start afresh
+            p = self.pending[(namespace, name)] = _Pending()
+        p.uid = p.uid or uid
         training = report.training.wire() if report.training and report.rank == 0 else None
         network = report.network.wire() if report.network else None
         if training is not None:
@@ -261,7 +270,7 @@ class ProgressServer:
             return sum(pool.map(lambda kp: self._flush_one(*kp), dirty))
 
     def _flush_one(self, key: tuple[str, str], p: _Pending) -> bool:
-        from .k8s import ApiError
+        from .k8s import ApiError, ObjectReplaced
 
         ns, name = key
         p.dirty = False
@@ -276,9 +285,9 @@ class ProgressServer:
         if p.runtime_phase:
             patch["runtimePhase"] = p.runtime_phase
         try:
-            self.kube.patch_status(ns, name, patch)
+            self.kube.patch_status(ns, name, patch, uid=p.uid)
         except ApiError as err:
-            if err.status == 404:
+            if err.status == 404 or isinstance(err, ObjectReplaced):
                 self.forget(ns, name)
                 return False
             p.dirty = True

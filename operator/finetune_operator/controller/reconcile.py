@@ -25,7 +25,7 @@ from ..api.validation import SpecError, parse_job
 from ..render.config import RenderConfig
 from ..render.rayjob import JOB_LABEL, child_names, is_shared, render_children, suspension_patch
 from .clusterconfig import ClusterConfig
-from .k8s import FTJ, NODES, PODS, RAYCLUSTER, RAYJOB, ApiError, Kube, gvr_of
+from .k8s import FTJ, NODES, PODS, RAYCLUSTER, RAYJOB, ApiError, Kube, ObjectReplaced, gvr_of
 from .metrics import Metrics
 from .preflight import check_capacity
 from .shared import ensure_shared
@@ -160,9 +160,11 @@ class Reconciler:
         # The RayCluster each job's RayJob runs on now (KubeRay names a new one per retry and after a resume).
         self.ray_clusters: dict[tuple[str, str], str] = {}
         self._stall_checks: dict[tuple[str, str], float] = {}
+        self.uids: dict[tuple[str, str], str] = {}  # the FinetuneJob object last reconciled under each name
 
     def forget(self, namespace: str, name: str) -> None:
         self.phases.pop((namespace, name), None)
+        self.uids.pop((namespace, name), None)
         self._stall_checks.pop((namespace, name), None)
         self.ray_clusters.pop((namespace, name), None)
         for uid in self._rayjob_uids.pop((namespace, name), set()):
@@ -193,6 +195,12 @@ class Reconciler:
         result = "ok"
         try:
             return self._reconcile(namespace, name)
+        except ObjectReplaced as err:
+            # The job this reconcile read was deleted and another was created under its name meanwhile: its
+            # status write was refused (UID-guarded); the new job gets a reconcile of its own.
+            log.info("%s/%s: %s; reconciling the new object", namespace, name, err)
+            self.requeue_after(namespace, name, 0.0)
+            return None
         except Exception as err:
             result = "error"
             self.metrics.reconcile_errors.labels(type(err).__name__).inc()
@@ -218,7 +226,8 @@ class Reconciler:
             if old and (old.get("reason"), old.get("message")) == (reason, message):
                 return
             set_condition(conds, RECONCILED, "False", reason, message, self.clock(), body["metadata"].get("generation"))
-            self.kube.patch_status(namespace, name, {"conditions": conds})
+            self.kube.patch_status(namespace, name, {"conditions": conds}, uid=body["metadata"].get("uid"),
+                                   has_status=bool(body.get("status")))
         except Exception as again:  # the original error is what the queue retries and logs
             log.debug("could not record reconcile error for %s/%s: %s", namespace, name, again)
 
@@ -228,6 +237,7 @@ class Reconciler:
             self.forget(namespace, name)
             return None
         meta = body["metadata"]
+        self.uids[(namespace, name)] = meta.get("uid") or ""
         prev: Obj = body.get("status") or {}
         names = child_names(name)
         observed = Observed()
@@ -374,7 +384,9 @@ class Reconciler:
         if prev.get("rayJobName") != names["rayJob"]:
             # Record the child names before creating anything: a crash between create and record can
             # then never lead to a second, differently named child.
-            self.kube.patch_status(ns, job.metadata.name, {"rayJobName": names["rayJob"], "configMapName": names["configMap"]})
+            self.kube.patch_status(ns, job.metadata.name, {"rayJobName": names["rayJob"], "configMapName": names["configMap"]},
+                                   uid=uid or None, has_status=bool(prev))
+            prev.update(rayJobName=names["rayJob"], configMapName=names["configMap"])
             if os.environ.get("FINETUNE_TEST_CRASH_AFTER_NAMES") == "1":
                 os._exit(137)  # test hook: die like a SIGKILL at the worst moment (see test_operator.py)
         try:
@@ -421,7 +433,7 @@ class Reconciler:
             if name == names["rayJob"] and not recorded and created is not None:
                 # Record the RayJob's UID at once: from now on, if it disappears, it is never re-created.
                 recorded = created["metadata"]["uid"]
-                self.kube.patch_status(ns, job.metadata.name, {"rayJobUID": recorded})
+                self.kube.patch_status(ns, job.metadata.name, {"rayJobUID": recorded}, uid=uid or None, has_status=bool(prev))
                 prev["rayJobUID"] = recorded
         observed.rayjob = current.get(names["rayJob"])
 
@@ -441,7 +453,7 @@ class Reconciler:
         for k in managed_prev:
             if k not in managed_new:
                 patch[k] = None
-        self.kube.patch_status(meta["namespace"], meta["name"], patch)
+        self.kube.patch_status(meta["namespace"], meta["name"], patch, uid=meta.get("uid"), has_status=bool(prev))
         old_phase, new_phase = prev.get("phase"), new.get("phase")
         if old_phase != new_phase:
             self.kube.event(

@@ -73,6 +73,9 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
         "kubectl apply -f examples/local-cluster.yaml and watch it until it ends (make demo-cluster)",
     )
     demo.add_argument("--keep", action="store_true", help="leave the cluster running afterwards")
+    demo.add_argument("--helm", action="store_true",
+                      help="install the operator with the Helm chart (deploy/helm, helm built from its module) "
+                      "instead of kustomize")
     p.set_defaults(func=run)
     return p
 
@@ -89,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
     if cmd == "demo":
         from . import demo as demo_mod
 
-        return demo_mod.demo(args.workdir, keep=args.keep)
+        return demo_mod.demo(args.workdir, keep=args.keep, helm=args.helm)
     log = lambda msg: print(msg, file=sys.stderr)  # noqa: E731  (stdout stays clean for `kubeconfig`)
     if cmd == "up":
         cluster = DevCluster(

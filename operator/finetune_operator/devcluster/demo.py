@@ -119,12 +119,59 @@ def adapt_deploy(docs: list[dict[str, Any]], server_url: str, port: int) -> list
     return docs
 
 
-def install_operator(cluster: DevCluster, timeout: float = 300, log: Log = _stderr) -> None:
-    """Apply ``deploy/`` (adapted) and wait until the operator pod leads and its Service has the endpoint."""
+CHART = REPO / "deploy" / "helm" / "finetune-operator"
+
+
+def chart_values(server_url: str, port: int) -> dict[str, Any]:
+    """The Helm values that make the chart what :func:`adapt_deploy` makes of ``deploy/`` (one test
+    compares the two): the same chart a cluster gets, with the dev cluster's image, node and network."""
+    server = urllib.parse.urlsplit(server_url)
+    return {
+        "image": {"repository": LOCAL_OPERATOR_IMAGE.rsplit(":", 1)[0], "tag": LOCAL_OPERATOR_IMAGE.rsplit(":", 1)[1],
+                  "pullPolicy": "Never"},
+        "replicas": 1,
+        # One node and the host's network: a surged second pod could never bind the port.
+        "strategy": {"type": "Recreate"},
+        "hostNetwork": True,
+        "dnsPolicy": "ClusterFirstWithHostNet",
+        "nodeSelector": {"finetune.dev/real-node": "true"},
+        "port": port,
+        "extraEnv": [{"name": "KUBERNETES_SERVICE_HOST", "value": server.hostname},
+                     {"name": "KUBERNETES_SERVICE_PORT", "value": str(server.port)}],
+        "operator": {"extraArgs": [f"--listen={realnode.GATEWAY}", f"--submitter-image={LOCAL_RAY_IMAGE}"]},
+        "policy": {"allowedImages": ["public.ecr.aws/deep-learning-containers/ray:*", "localhost/finetune/ray:*"],
+                   "allowedServiceAccounts": ["default"]},
+    }
+
+
+def helm_env(home: Path) -> dict[str, str]:
+    return {"PATH": "/usr/bin:/bin", "HOME": str(home), "HELM_CACHE_HOME": str(home / "cache"),
+            "HELM_CONFIG_HOME": str(home / "config"), "HELM_DATA_HOME": str(home / "data")}
+
+
+def install_operator(cluster: DevCluster, timeout: float = 300, log: Log = _stderr, helm: Path | None = None) -> None:
+    """Install the operator and wait until its pod leads and its Service has the endpoint: ``deploy/``
+    (kustomize, adapted), or with ``helm`` (a helm binary) the chart in deploy/helm with
+    :func:`chart_values`."""
     kc = Path(cluster.kubeconfig)
     t0 = time.monotonic()
-    docs = operator_manifests(kc, free_gateway_port())
-    kubectl(kc, "apply", "--server-side", "--force-conflicts", "-f", "-", stdin=yaml.safe_dump_all(docs))
+    port = free_gateway_port()
+    if helm is None:
+        docs = operator_manifests(kc, port)
+        kubectl(kc, "apply", "--server-side", "--force-conflicts", "-f", "-", stdin=yaml.safe_dump_all(docs))
+        how = "deploy/"
+    else:
+        server = yaml.safe_load(kc.read_text())["clusters"][0]["cluster"]["server"]
+        home = Path(cluster.workdir) / "helm-home"
+        home.mkdir(parents=True, exist_ok=True)
+        values = home / "dev-cluster-values.yaml"
+        values.write_text(yaml.safe_dump(chart_values(server, port)))
+        out = subprocess.run([str(helm), "upgrade", "--install", OPERATOR_NAME, str(CHART), "--namespace",
+                              OPERATOR_NAMESPACE, "--create-namespace", "--kubeconfig", str(kc), "-f", str(values)],
+                             capture_output=True, text=True, timeout=timeout, env=helm_env(home))
+        if out.returncode != 0:
+            raise DevClusterError(f"helm install {CHART}: {out.stderr.strip()}")
+        how = "the Helm chart"
     kubectl(kc, "-n", OPERATOR_NAMESPACE, "rollout", "status", f"deployment/{OPERATOR_NAME}",
             f"--timeout={int(timeout)}s", timeout=timeout + 30)
     deadline = time.monotonic() + timeout
@@ -137,7 +184,7 @@ def install_operator(cluster: DevCluster, timeout: float = 300, log: Log = _stde
         if time.monotonic() > deadline:
             raise DevClusterError(f"the operator's Service has no endpoint after {timeout:.0f}s (no leader?)")
         time.sleep(1)
-    log(f"[demo] operator from deploy/ running on {realnode.NODE_NAME} in {time.monotonic() - t0:.0f}s")
+    log(f"[demo] operator from {how} running on {realnode.NODE_NAME} in {time.monotonic() - t0:.0f}s")
 
 
 def prepare_claim(cluster: DevCluster, namespace: str, timeout: float = 60) -> Path:
@@ -157,15 +204,16 @@ def prepare_claim(cluster: DevCluster, namespace: str, timeout: float = 60) -> P
     return host
 
 
-def demo(workdir: Path | None, keep: bool, timeout: float = 1800, log: Log = _stderr) -> int:
-    """``make demo-cluster``: dev cluster with a real node, images, the operator from deploy/, then
-    ``kubectl apply -f examples/local-cluster.yaml`` and ``kubectl get ftj -w`` until it ends."""
+def demo(workdir: Path | None, keep: bool, timeout: float = 1800, log: Log = _stderr, helm: bool = False) -> int:
+    """``make demo-cluster``: dev cluster with a real node, images, the operator from deploy/ (or the Helm
+    chart), then ``kubectl apply -f examples/local-cluster.yaml`` and ``kubectl get ftj -w`` until it ends."""
     cluster = DevCluster(workdir, nodes=1, real_node=True, log=log)
     try:
+        helm_binary = build.optional_binaries("helm", log=log) / "helm" if helm else None
         cluster.up(timeout=600)
         for step, secs in import_images(cluster, log).items():
             log(f"[demo] {step}: {secs:.0f}s")
-        install_operator(cluster, log=log)
+        install_operator(cluster, log=log, helm=helm_binary)
         host = prepare_claim(cluster, "default")
         kc = Path(cluster.kubeconfig)
         print(kubectl(kc, "apply", "-f", str(EXAMPLE)), end="", flush=True)
