@@ -27,6 +27,13 @@ clip 1.0, global batch 8 packed sequences; 20 held-out records, 0 % for every un
   batches help: batch 16, 300 steps: 47 % after 150, 65 % after 300; batch 32 (1024 tokens a step, as
   the demo's 8 × 128), 150 steps: 29 % with model seed 0 but 0 % with seed 1; 100 steps: 6 %. Promising
   (more prompts against memorising, batch 16–32, ~300 steps) but not yet reliable across seeds.
+- a last-digit map (2026-12-03; `last7`: `What is the last digit of 352 times 7?` → `4`, one answer token
+  that depends only on the number's last digit, 10 classes, 40 held out; `last7s` the same with a shorter
+  prompt; `lastsum`: the last digit of a two-number sum): the model first learns "a digit, then EOS"
+  (loss ~1.14, 5–20 % held out) and then, sometimes, finds the attention to the last digit: `last7` batch
+  16 / 120 steps: 95 % (seed 0), 50 % (seed 1), 10 % (seed 2); lr 5e-3: 5 % and 12 %; batch 8 / 240
+  steps: 20 %; batch 32 / 80 steps: 15–18 %; `last7s` batch 16 / 120 steps: 42 / 5 / 5 %; `lastsum` 5 %.
+  Learnable, but the jump does not come reliably within a two-minute budget.
 Copying a number from the prompt (an induction-style attention pattern) is what takes this model
 hundreds of steps; one real step through Ray + FSDP costs about 0.33 s here (8 × 128 tokens at the
 ~3100 tokens/s docs/training.md quotes) on top of Ray's start (the 40-step demo takes about a minute), so

@@ -6,7 +6,9 @@ that prints held-out exact match (whole completion / part before `=`) as it trai
         [digits=1] [hidden=96] [layers=3] [heads=4] [kv=2] [inter=256] [n=400] [seed=0]
 
 TASK: `add2` (the shipped data: `51 + 29 = 80`), `nocarry3` (three-digit sums without carries),
-`restate` (`Write 312 plus 465 in symbols.` → `312 + 465`), `count` (`Count on: 37` → `38 39 40 41`).
+`restate` (`Write 312 plus 465 in symbols.` → `312 + 465`), `count` (`Count on: 37` → `38 39 40 41`),
+`last7` (`What is the last digit of 352 times 7?` → `4`), `last7s` (the same, shorter prompt), `lastsum`
+(`What is the last digit of 51 plus 29?` → `0`).
 `digits=1` trains the BPE with single-digit pre-tokenization (as Qwen2's tokenizer does). Figures
 measured with it are in `benchmarks/learning_check.py`.
 """
