@@ -318,3 +318,53 @@ def test_deleting_a_running_job_leaves_nothing_behind(real: E2E, ns: str) -> Non
     while (left := leftovers()) and time.monotonic() < deadline:
         time.sleep(2)
     assert not left, f"left behind after the delete: {left}"
+
+
+def operator_pods(real: E2E) -> list[Any]:
+    return [p for p in real.core.list_namespaced_pod(demo.OPERATOR_NAMESPACE,
+                                                     label_selector="app.kubernetes.io/name=finetune-operator").items
+            if not p.metadata.deletion_timestamp]
+
+
+@pytest.mark.timeout(2400)
+def test_a_helm_upgrade_of_the_operator_mid_training_leaves_the_job_running(real: E2E, ns: str, helm: Path) -> None:
+    """`helm upgrade` of the operator while a job trains (issues 9.5 and 13): the operator pod is replaced,
+    the new one takes the Lease and the Service's leader label, picks the job up, and the job's progress goes
+    on reaching the status through the new pod until it ends Succeeded with every step. On this one-node
+    cluster the chart's values use `strategy: Recreate` (host network: a surged pod could not bind the port),
+    so the operator is absent for a few seconds; the training's reports meanwhile fail and are superseded by
+    the next ones (each is a snapshot). Production's RollingUpdate (maxSurge 1, maxUnavailable 0) keeps a
+    Ready replica throughout; tests/integration/test_lifecycle.py covers the Lease handover between replicas."""
+    demo.prepare_claim(real.cluster, ns)
+    name, total = "local-upgrade", 120
+
+    def step() -> int:
+        return int((ftj_status(real, ns, name).get("training") or {}).get("step") or 0)
+
+    apply_variant(real, ns, name, total)
+    wait_for("training under way", lambda: step() >= 3, timeout=1200, interval=1)
+    (before,) = operator_pods(real)
+    step_before = step()
+    t0 = time.monotonic()
+    demo.install_operator(real.cluster, helm=helm)  # another port in the values: a new pod template
+    real.timings["helm upgrade -> new operator leading"] = time.monotonic() - t0
+    (after,) = operator_pods(real)
+    assert after.metadata.uid != before.metadata.uid, "helm upgrade did not replace the operator pod"
+    assert (after.metadata.labels or {}).get("finetune.dev/operator-leader") == "true"
+    assert ftj_status(real, ns, name).get("phase") == "Running"
+    step_at_upgrade = step()
+    print(f"helm upgrade: operator pod {before.metadata.name} -> {after.metadata.name}, step {step_before} -> "
+          f"{step_at_upgrade} meanwhile")
+
+    def done() -> bool:
+        st = ftj_status(real, ns, name)
+        return st.get("phase") == "Succeeded"
+    try:
+        wait_for(f"{name} Succeeded", done, timeout=1200, interval=2)
+    except pytest.fail.Exception:
+        print(diagnose(real, ns))
+        raise
+    st = ftj_status(real, ns, name)
+    # Every step reached the status, the later ones only through the new pod (the old one was gone).
+    assert st["step"] == f"{total}/{total}", st.get("step")
+    assert step_at_upgrade < total, f"the job had finished before the upgrade was done ({step_at_upgrade})"
