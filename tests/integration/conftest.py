@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import re
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -109,6 +110,64 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
         terminalreporter.write_line(f"dev cluster component logs: {_CLUSTER.logs_dir}")
 
 
+# A namespace with this label keeps its Ray jobs as KubeRay leaves them on kwok (see RayDashboardStandIn).
+MANUAL_RAY_JOBS = {"test.finetune.dev/ray-jobs": "manual"}
+
+
+class RayDashboardStandIn:
+    """What the Ray dashboard would tell KubeRay, on kwok's ghost pods. KubeRay reports a RayJob's
+    deployment status Running as soon as its submitter Job exists, and learns the Ray job's own status
+    (`jobStatus`: PENDING, RUNNING, ...) from the head's dashboard, which kwok pods do not run: the operator
+    (rightly) calls such a job Provisioning/Starting, not Running. This thread plays the dashboard's answer
+    once the submitter exists: it writes `jobStatus: RUNNING` on every RayJob whose deployment status is
+    Running and whose job status is still unknown -- a merge patch that carries the resourceVersion it read,
+    so it never overwrites a status written meanwhile (by KubeRay, or by a test that simulates the end of a
+    job). Namespaces labelled MANUAL_RAY_JOBS are left alone (the tests of the starting state). The one
+    simulated component of these tests besides kwok itself; the real node's tests run real Ray."""
+
+    def __init__(self, kubeconfig: Path, interval: float = 0.5):
+        api = config.new_client_from_config(config_file=str(kubeconfig))
+        self.custom = client.CustomObjectsApi(api)
+        self.core = client.CoreV1Api(api)
+        self.interval = interval
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="ray-dashboard-stand-in", daemon=True)
+
+    def _manual(self, namespace: str) -> bool:
+        try:
+            labels = self.core.read_namespace(namespace).metadata.labels or {}
+        except ApiException:
+            return True
+        return all(labels.get(k) == v for k, v in MANUAL_RAY_JOBS.items())
+
+    def _run(self) -> None:
+        while not self.stop.wait(self.interval):
+            try:
+                items = self.custom.list_cluster_custom_object("ray.io", "v1", "rayjobs")["items"]
+            except Exception:  # the API server restarting (a fault test), the CRD not there yet
+                continue
+            for rj in items:
+                st, meta = rj.get("status") or {}, rj["metadata"]
+                if st.get("jobDeploymentStatus") != "Running" or st.get("jobStatus") or meta.get("deletionTimestamp"):
+                    continue
+                if self._manual(meta["namespace"]):
+                    continue
+                try:
+                    self.custom.patch_namespaced_custom_object_status(
+                        "ray.io", "v1", meta["namespace"], "rayjobs", meta["name"],
+                        {"metadata": {"resourceVersion": meta["resourceVersion"]}, "status": {"jobStatus": "RUNNING"}})
+                except ApiException:  # 409: changed since the list; 404: gone. The next round looks again.
+                    pass
+
+    def __enter__(self) -> RayDashboardStandIn:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        self.thread.join(timeout=5)
+
+
 @pytest.fixture(scope="session")
 def control_plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DevCluster]:
     global _CLUSTER
@@ -117,7 +176,8 @@ def control_plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DevClust
     _CLUSTER = cluster
     try:
         cluster.up()
-        yield cluster
+        with RayDashboardStandIn(Path(cluster.kubeconfig)):
+            yield cluster
     finally:
         if not keep:
             cluster.down()

@@ -13,7 +13,7 @@ import pytest
 from kubernetes import client
 from kubernetes.client.rest import ApiException
 
-from tests.integration.conftest import Kube, wait_for
+from tests.integration.conftest import MANUAL_RAY_JOBS, Kube, wait_for
 from tests.integration.operator_fixtures import OperatorProcess, example, pod_token, service_account_kubeconfig
 
 G, V, P = "finetune.dev", "v1alpha1", "finetunejobs"
@@ -117,6 +117,34 @@ def test_seed_example_runs_on_two_simulated_g6_nodes(kube: Kube, namespace: str,
     assert "Running" in out.splitlines()[1]
     events = kube.core.list_namespaced_event(namespace, field_selector="involvedObject.name=seed").items
     assert {"Running"} <= {e.reason for e in events}
+
+
+def test_starting_until_the_ray_job_runs(kube: Kube, namespace: str, operator: OperatorProcess) -> None:
+    """KubeRay says Running as soon as its submitter Job exists (the image may still be pulling, `ray job
+    submit` not run yet). The job says Provisioning, reason Starting, until Ray runs the job. This namespace
+    opts out of the dashboard stand-in (conftest.py): the test writes KubeRay's jobStatus itself, step by step."""
+    kube.core.patch_namespace(namespace, {"metadata": {"labels": MANUAL_RAY_JOBS}})
+    create(kube, namespace, ftj("starting"))
+
+    def deploy_running() -> Any:
+        rjs = rayjobs(kube, namespace)
+        return rjs and (rjs[0].get("status") or {}).get("jobDeploymentStatus") == "Running" and rjs[0]
+    wait_for("KubeRay's RayJob Running (submitter created)", deploy_running, timeout=120)
+    st = wait_for("Starting", lambda: (s := status(kube, namespace, "starting")) and (condition(s, "Running") or {}).get(
+        "reason") == "Starting" and s, timeout=60)
+    assert st["phase"] == "Provisioning" and st["message"].startswith("starting"), st  # type: ignore[index]
+    assert kubectl(kube, "get", "ftj", "-n", namespace).splitlines()[1].split()[1] == "Provisioning"
+
+    def ray_job_status(value: str) -> None:  # what KubeRay writes once the dashboard answers
+        kube.custom.patch_namespaced_custom_object_status("ray.io", "v1", namespace, "rayjobs", "starting",
+                                                          {"status": {"jobStatus": value}})
+    ray_job_status("PENDING")
+    wait_for("the Ray job status in the message", lambda: "PENDING" in str(status(kube, namespace, "starting").get("message")),
+             timeout=60)
+    assert status(kube, namespace, "starting")["phase"] == "Provisioning"
+    ray_job_status("RUNNING")
+    st = wait_for("Running", lambda: phase_is(kube, namespace, "starting", "Running"), timeout=60)
+    assert condition(st, "Running")["reason"] == "RayJobRunning"  # type: ignore[index]
 
 
 def test_three_workers_on_two_nodes_wait_then_proceed(kube: Kube, namespace: str, operator: OperatorProcess,

@@ -50,7 +50,10 @@ PHASES = [
     ("no-rayjob", Observed(), "Pending"),
     ("initializing", Observed(rayjob=rayjob("Initializing")), "Provisioning"),
     ("running", Observed(rayjob=rayjob("Running", "RUNNING", jobId="raysubmit_1")), "Running"),
-    ("running-unknown-job-status", Observed(rayjob=rayjob("Running")), "Running"),
+    # KubeRay says Running once its submitter Job exists: starting until Ray runs the job or it reports.
+    ("starting-unknown-job-status", Observed(rayjob=rayjob("Running")), "Provisioning"),
+    ("starting-pending", Observed(rayjob=rayjob("Running", "PENDING")), "Provisioning"),
+    ("finishing", Observed(rayjob=rayjob("Running", "SUCCEEDED")), "Running"),  # KubeRay waits for its submitter
     ("complete-succeeded", Observed(rayjob=rayjob("Complete", "SUCCEEDED", endTime=LATER)), "Succeeded"),
     ("complete-failed", Observed(rayjob=rayjob("Complete", "FAILED")), "Failed"),
     ("failed", Observed(rayjob=rayjob("Failed", "FAILED", reason="AppFailed", message="exit 1")), "Failed"),
@@ -396,3 +399,24 @@ def test_only_the_current_rayjobs_pods_are_observed() -> None:
     pods = [p("new-worker", "2026-12-02T10:01:00Z", "j-new"), p("old-worker", "2026-12-02T09:00:00Z", "j-old"),
             p("new-submitter", "2026-12-02T10:02:00Z", None), p("old-submitter", "2026-12-02T09:01:00Z", None)]
     assert [x["metadata"]["name"] for x in pods_of(pods, rj)] == ["new-worker", "new-submitter"]
+
+
+def test_starting_until_ray_runs_the_job_or_the_training_reports_from_this_cluster() -> None:
+    cluster = {"metadata": {"name": "j-abcde", "creationTimestamp": "2026-12-02T09:58:00Z"}}
+    starting = derive(Observed(rayjob=rayjob("Running", "PENDING"), raycluster=cluster))
+    assert starting["phase"] == "Provisioning"
+    assert cond(starting, "Running")["reason"] == "Starting" and "PENDING" in starting["message"]
+    # A report from before this Ray cluster existed (an earlier attempt, before a suspend): still starting.
+    old = {"training": {"step": 30, "lastReportTime": "2026-12-02T09:50:00Z"}}
+    assert derive(Observed(rayjob=rayjob("Running", "PENDING"), raycluster=cluster), prev=old)["phase"] == "Provisioning"
+    # A report from this cluster: the training runs even if KubeRay has not seen the job RUNNING yet.
+    new = {"training": {"step": 1, "lastReportTime": "2026-12-02T09:59:00Z"}}
+    running = derive(Observed(rayjob=rayjob("Running", "PENDING"), raycluster=cluster), prev=new)
+    assert running["phase"] == "Running" and cond(running, "Running")["status"] == "True"
+    ray_says = derive(Observed(rayjob=rayjob("Running", "RUNNING"), raycluster=cluster), prev=starting, now=LATER)
+    assert ray_says["phase"] == "Running"
+    # The stall window starts when the training started, not when KubeRay created its submitter.
+    assert cond(ray_says, "Running")["lastTransitionTime"] == LATER
+    # An image that cannot be pulled says so instead of "starting".
+    broken = derive(Observed(rayjob=rayjob("Running", ""), raycluster=cluster, pods=[pod("j-head", "head", waiting="ErrImagePull")]))
+    assert broken["phase"] == "Provisioning" and "ErrImagePull" in broken["message"]

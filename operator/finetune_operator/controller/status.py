@@ -234,6 +234,19 @@ def seconds_until_stall(status: Obj, now: str, timeout_seconds: int | None) -> f
     return left + 1.0 if left >= 0 else None
 
 
+def training_started(job_status: str, training: Obj, raycluster: Obj | None) -> bool:
+    """Whether the training runs (RayJob deployment status Running): Ray reports the job RUNNING (or already
+    ended, KubeRay waiting for its submitter), or the training reported progress from the current Ray cluster
+    (a report older than the cluster comes from an earlier attempt, before a suspend or a stall restart)."""
+    if job_status in ("RUNNING", "SUCCEEDED", "FAILED", "STOPPED"):
+        return True
+    reported = parse_time(training.get("lastReportTime"))
+    if reported is None:
+        return False
+    born = parse_time(((raycluster or {}).get("metadata") or {}).get("creationTimestamp"))
+    return born is None or reported >= born
+
+
 def _network_reason(net: Obj) -> str:
     """NetworkHealthy's reason: which layer enforced requireEFA (the runtime's netprobe message prefixes), else
     the transport in CamelCase (efa -> Efa, intra-node -> TransportIntraNode)."""
@@ -380,6 +393,16 @@ def derive_status(
         cond(SUSPENDED, True, deploy or "Suspending", "spec.suspend is true: the Ray cluster is deleted")
         return finish(Phase.suspended, "suspended" if deploy == "Suspended" else "suspending")
     _drop(conds, SUSPENDED)
+    if deploy == "Running" and not training_started(job_status, status.get("training") or {}, observed.raycluster):
+        # KubeRay says Running as soon as its submitter Job exists; the training has not started until Ray
+        # says the job runs (the driver is up) or the training reports from this Ray cluster.
+        _drop(conds, STALLED)
+        why = (f"starting: the Ray cluster is up and the job is submitted (Ray job status {job_status or 'not known yet'});"
+               " waiting for the driver and the training to start (image pulls, runtime env, ray job submit)")
+        if broken:
+            why = broken[0][1]
+        cond(RUNNING, False, "Starting", why)
+        return finish(Phase.provisioning, why)
     if deploy == "Running":
         cond(RUNNING, True, "RayJobRunning", f"Ray job {rs.get('jobId') or ''} {job_status or 'submitted'}".replace("  ", " "))
         stalled = stall_check(status, conds, now, stall_timeout_seconds) if detect_stalls else None
