@@ -44,6 +44,7 @@ sys.path.insert(0, str(ROOT))
 from finetune_operator.devcluster import DevCluster
 from kubernetes import client, config, watch
 
+from tests.integration.conftest import RayDashboardStandIn
 from tests.integration.operator_fixtures import OperatorProcess, example, pod_token, service_account_kubeconfig
 
 OPERATOR_USER = "system:serviceaccount:finetune-system:finetune-operator"
@@ -223,6 +224,10 @@ def main() -> int:
     t0 = time.monotonic()
     cluster.up()
     print(f"dev cluster up in {time.monotonic() - t0:.1f}s (logs: {cluster.logs_dir})")
+    # kwok pods run no Ray: the stand-in answers for the Ray dashboard (jobStatus RUNNING once KubeRay's
+    # submitter exists), as in the integration tests, so that jobs reach Running. Its requests are the
+    # admin's, not the operator's ServiceAccount's: the audit counts below do not include them.
+    RayDashboardStandIn(Path(cluster.kubeconfig)).__enter__()
     api = config.new_client_from_config(config_file=str(cluster.kubeconfig))
     core, custom = client.CoreV1Api(api), client.CustomObjectsApi(api)
     ns = "bench"

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 from finetune_operator.devcluster import DevCluster, build
-from kubernetes import client, config
+from kubernetes import client, config, watch
 from kubernetes.client.rest import ApiException
 
 _CLUSTER: DevCluster | None = None
@@ -125,12 +125,12 @@ class RayDashboardStandIn:
     job). Namespaces labelled MANUAL_RAY_JOBS are left alone (the tests of the starting state). The one
     simulated component of these tests besides kwok itself; the real node's tests run real Ray."""
 
-    def __init__(self, kubeconfig: Path, interval: float = 0.5):
+    def __init__(self, kubeconfig: Path):
         api = config.new_client_from_config(config_file=str(kubeconfig))
         self.custom = client.CustomObjectsApi(api)
         self.core = client.CoreV1Api(api)
-        self.interval = interval
         self.stop = threading.Event()
+        self.watch: watch.Watch | None = None
         self.thread = threading.Thread(target=self._run, name="ray-dashboard-stand-in", daemon=True)
 
     def _manual(self, namespace: str) -> bool:
@@ -140,24 +140,34 @@ class RayDashboardStandIn:
             return True
         return all(labels.get(k) == v for k, v in MANUAL_RAY_JOBS.items())
 
+    def _answer(self, rj: dict[str, object]) -> None:
+        st, meta = rj.get("status") or {}, rj["metadata"]
+        assert isinstance(st, dict) and isinstance(meta, dict)
+        if st.get("jobDeploymentStatus") != "Running" or st.get("jobStatus") or meta.get("deletionTimestamp"):
+            return
+        if self._manual(meta["namespace"]):
+            return
+        try:
+            self.custom.patch_namespaced_custom_object_status(
+                "ray.io", "v1", meta["namespace"], "rayjobs", meta["name"],
+                {"metadata": {"resourceVersion": meta["resourceVersion"]}, "status": {"jobStatus": "RUNNING"}})
+        except ApiException:  # 409: changed since (its event follows); 404: gone
+            pass
+
     def _run(self) -> None:
-        while not self.stop.wait(self.interval):
+        # A watch (its initial list replays every RayJob; it restarts every minute and after errors, such as
+        # the fault tests' API server restarts), so a thousand RayJobs cost nothing while nothing changes.
+        while not self.stop.is_set():
+            self.watch = watch.Watch()
             try:
-                items = self.custom.list_cluster_custom_object("ray.io", "v1", "rayjobs")["items"]
-            except Exception:  # the API server restarting (a fault test), the CRD not there yet
-                continue
-            for rj in items:
-                st, meta = rj.get("status") or {}, rj["metadata"]
-                if st.get("jobDeploymentStatus") != "Running" or st.get("jobStatus") or meta.get("deletionTimestamp"):
-                    continue
-                if self._manual(meta["namespace"]):
-                    continue
-                try:
-                    self.custom.patch_namespaced_custom_object_status(
-                        "ray.io", "v1", meta["namespace"], "rayjobs", meta["name"],
-                        {"metadata": {"resourceVersion": meta["resourceVersion"]}, "status": {"jobStatus": "RUNNING"}})
-                except ApiException:  # 409: changed since the list; 404: gone. The next round looks again.
-                    pass
+                for ev in self.watch.stream(self.custom.list_cluster_custom_object, "ray.io", "v1", "rayjobs",
+                                            timeout_seconds=60):
+                    if self.stop.is_set():
+                        break
+                    if ev["type"] in ("ADDED", "MODIFIED"):
+                        self._answer(ev["object"])
+            except Exception:  # the API server restarting, the CRD not there yet
+                self.stop.wait(1)
 
     def __enter__(self) -> RayDashboardStandIn:
         self.thread.start()
@@ -165,6 +175,8 @@ class RayDashboardStandIn:
 
     def __exit__(self, *exc: object) -> None:
         self.stop.set()
+        if self.watch is not None:
+            self.watch.stop()
         self.thread.join(timeout=5)
 
 

@@ -212,3 +212,23 @@ def test_cpu_offload_on_gpu_gets_a_gloo_backend_next_to_nccl(tiny_model_dir: Pat
     assert process_group_backend(FinetuneJob.model_validate(doc)) == "nccl"
     doc["spec"]["training"]["fsdp"]["cpuOffload"] = True
     assert process_group_backend(FinetuneJob.model_validate(doc)) == "cpu:gloo,cuda:nccl"
+
+
+def test_packed_records_on_gpu_ask_for_the_varlen_flash_attention_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 11.2: with packing on GPU in bf16 the runtime asks transformers for flash_attention_2 (its varlen
+    kernel takes the per-record position ids as boundaries) when flash-attn is installed, as in the Ray Train
+    DLC. flash-attn needs CUDA, so here an empty module stands in for the installed package; the choice is
+    what is tested (the kernel itself runs in benchmarks/gpu_check.sh)."""
+    import sys
+    import types
+
+    import torch
+    from finetune_training.modelio import attention_implementation
+
+    assert attention_implementation(True, False, torch.float32) is None  # CPU: SDPA, block-diagonal mask
+    assert attention_implementation(True, True, torch.float32) is None  # fp32: flash-attn has no fp32 kernel
+    assert attention_implementation(False, True, torch.bfloat16) is None  # no packing: nothing to gain
+    monkeypatch.setitem(sys.modules, "flash_attn", None)  # not installed (import raises ImportError)
+    assert attention_implementation(True, True, torch.bfloat16) is None
+    monkeypatch.setitem(sys.modules, "flash_attn", types.ModuleType("flash_attn"))
+    assert attention_implementation(True, True, torch.bfloat16) == "flash_attention_2"

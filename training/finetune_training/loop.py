@@ -141,7 +141,10 @@ class Trainer:
         if self.local_rank != 0:
             dist.barrier()
         self.tokenizer = modelio.load_tokenizer(self.spec.model, cache)
-        model, full_sd = modelio.load_for_sharding(self.spec.model, load_dtype, cache, self.rank, self.world)
+        attn = modelio.attention_implementation(t.packing, self.on_gpu, self.compute_dtype)
+        model, full_sd = modelio.load_for_sharding(self.spec.model, load_dtype, cache, self.rank, self.world, attn)
+        if attn and self.rank == 0:
+            self.say(f"attention: {attn} (packed records through the varlen kernel)")
         self.generation_config = modelio.load_generation_config(self.spec.model, cache) if self.rank == 0 else None
         if self.local_rank == 0:
             dist.barrier()

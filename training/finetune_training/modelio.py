@@ -94,18 +94,40 @@ def load_tokenizer(spec: ModelSpec, cache_dir: str | Path | None = None) -> Any:
     return tok
 
 
-def load_model(spec: ModelSpec, torch_dtype: Any, cache_dir: str | Path | None = None) -> Any:
+def attention_implementation(packing: bool, on_gpu: bool, compute: Any) -> str | None:
+    """The attention kernel to ask transformers for. Packed sequences on GPU in bf16/fp16 with
+    flash-attention installed (the Ray Train DLC ships flash-attn 2.8.3): `flash_attention_2`, whose varlen
+    kernel takes the per-record position ids as sequence boundaries (no [T, T] mask, no attention across
+    records). Otherwise None: the model's default (SDPA; with packing, the block-diagonal mask transformers
+    builds from the position ids)."""
+    import torch
+
+    if not (packing and on_gpu and compute in (torch.bfloat16, torch.float16)):
+        return None
+    try:
+        import flash_attn  # noqa: F401
+    except ImportError:
+        return None
+    return "flash_attention_2"
+
+
+def _attn_kw(attn: str | None) -> dict[str, Any]:
+    return {"attn_implementation": attn} if attn else {}
+
+
+def load_model(spec: ModelSpec, torch_dtype: Any, cache_dir: str | Path | None = None, attn: str | None = None) -> Any:
     """`AutoModelForCausalLM.from_pretrained` on CPU in `torch_dtype` (FSDP moves shards to the GPU)."""
     from transformers import AutoModelForCausalLM
 
     path, local = resolve_source(spec.source, cache_dir)
-    model = AutoModelForCausalLM.from_pretrained(path, **_dtype_kw(torch_dtype), **_hub_kwargs(spec, local))
+    model = AutoModelForCausalLM.from_pretrained(path, **_dtype_kw(torch_dtype), **_hub_kwargs(spec, local),
+                                                 **_attn_kw(attn))
     model.config.use_cache = False
     return model
 
 
 def load_for_sharding(spec: ModelSpec, torch_dtype: Any, cache_dir: str | Path | None, rank: int,
-                      world: int) -> tuple[Any, dict[str, Any] | None]:
+                      world: int, attn: str | None = None) -> tuple[Any, dict[str, Any] | None]:
     """(model, full state dict): rank 0 loads the weights; with world > 1 the other ranks build the same
     model on the meta device from the config alone (no weights in host memory) and get their shards from
     rank 0 in `fill_sharded` after `fully_shard`. The state dict is rank 0's (None elsewhere)."""
@@ -113,13 +135,13 @@ def load_for_sharding(spec: ModelSpec, torch_dtype: Any, cache_dir: str | Path |
     from transformers import AutoConfig, AutoModelForCausalLM
 
     if world <= 1 or rank == 0:
-        model = load_model(spec, torch_dtype, cache_dir)
+        model = load_model(spec, torch_dtype, cache_dir, attn)
         return model, (dict(model.state_dict()) if world > 1 else None)
     path, local = resolve_source(spec.source, cache_dir)
     config = AutoConfig.from_pretrained(path, **_hub_kwargs(spec, local))
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(  # type: ignore[no-untyped-call]
-            config, trust_remote_code=spec.trust_remote_code, **_dtype_kw(torch_dtype))
+            config, trust_remote_code=spec.trust_remote_code, **_dtype_kw(torch_dtype), **_attn_kw(attn))
     model.config.use_cache = False
     return model, None
 
