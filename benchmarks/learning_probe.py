@@ -55,6 +55,12 @@ def one(name: str, rng: random.Random) -> tuple[tuple[int, int], str, str]:
     if name == "last7s":
         a = rng.randint(100, 999)
         return (a, 7), f"Question: Last digit of 7 x {a}?\nAnswer: ", str(a * 7 % 10)
+    if name == "last7q":  # the digit right after the prompt's last token: previous-token attention
+        a = rng.randint(100, 999)
+        return (a, 7), f"Question: What is the last digit of 7 times {a}?", str(a * 7 % 10)
+    if name == "copyq":  # the prompt's last digit itself (copying the previous token)
+        a = rng.randint(100, 999)
+        return (a, 1), f"Question: What is the last digit of {a}?", str(a % 10)
     if name == "lastsum":
         a, b = rng.randint(10, 99), rng.randint(10, 99)
         return (a, b), f"Question: What is the last digit of {a} plus {b}?\nAnswer: ", str((a + b) % 10)
@@ -103,16 +109,19 @@ def main(name: str, **kw: str) -> None:
     torch.set_num_threads(1)
     i = {k: int(kw.get(k, d)) for k, d in (("n", 400), ("steps", 240), ("gbs", 8), ("seq", 128), ("hidden", 96),
                                             ("layers", 3), ("heads", 4), ("kv", 2), ("inter", 256), ("digits", 1),
-                                            ("seed", 0))}
+                                            ("seed", 0), ("pack", 1))}
     lr, evalf = float(kw.get("lr", 3e-3)), float(kw.get("evalf", 0.05))
     recs = task(name, i["n"])
     tok = tokenizer([r["prompt"] + r["completion"] for r in recs], digits=bool(i["digits"]))
     train, held_out = split_records(recs, evalf, 42, None)
-    seqs = to_sequences(encode(train, DatasetSpec(source="x", format="promptCompletion"), tok), i["seq"], True, 0)
+    seqs = to_sequences(encode(train, DatasetSpec(source="x", format="promptCompletion"), tok), i["seq"], bool(i["pack"]), 0)
     model = build_model(len(tok), hidden=i["hidden"], layers=i["layers"], heads=i["heads"], kv_heads=i["kv"],
                         intermediate=i["inter"], seed=i["seed"])
     for cfg in (model.config, model.generation_config):
         cfg.pad_token_id = cfg.eos_token_id = tok.eos_token_id
+    # As the runtime does (modelio.load_model): with use_cache a training forward builds a cache, and
+    # transformers then skips the packed-sequence mask -- every record would attend across the pack.
+    model.config.use_cache = False
     print(f"{name}: {len(seqs)} train sequences, {len(held_out)} held out, "
           f"{sum(p.numel() for p in model.parameters())} params; untrained {accuracy(model, tok, held_out)}",
           flush=True)
@@ -125,7 +134,8 @@ def main(name: str, **kw: str) -> None:
     t0 = time.time()
     for s in range(steps):
         idx = torch.randint(len(seqs), (i["gbs"],), generator=g)
-        out = model(input_ids=seqs.input_ids[idx], labels=seqs.labels[idx], position_ids=seqs.position_ids[idx])
+        kw = {"position_ids": seqs.position_ids[idx]} if seqs.position_ids is not None else {"attention_mask": seqs.attention_mask[idx]}
+        out = model(input_ids=seqs.input_ids[idx], labels=seqs.labels[idx], **kw)
         out.loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
