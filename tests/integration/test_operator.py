@@ -147,6 +147,26 @@ def test_starting_until_the_ray_job_runs(kube: Kube, namespace: str, operator: O
     assert condition(st, "Running")["reason"] == "RayJobRunning"  # type: ignore[index]
 
 
+def test_children_changed_outside_the_operator_are_reverted(kube: Kube, namespace: str, operator: OperatorProcess) -> None:
+    """`kubectl edit` on a child (the RayJob's spec, the job's ConfigMap) is drift: the operator re-applies
+    what the FinetuneJob says and posts a Warning Event DriftReverted naming the fields (issue 9)."""
+    create(kube, namespace, ftj("drift"))
+    wait_for("Running", lambda: phase_is(kube, namespace, "drift", "Running"), timeout=120)
+    # ConfigMaps are not watched: their drift is found by the next reconcile of the job (any event of it, or
+    # the periodic resync); here the RayJob's edit, which is watched, comes right after.
+    kube.core.patch_namespaced_config_map("drift-config", namespace, {"data": {"job.yaml": "edited: by hand\n"}})
+    kube.custom.patch_namespaced_custom_object("ray.io", "v1", namespace, "rayjobs", "drift",
+                                               {"spec": {"backoffLimit": 5}})
+    wait_for("RayJob spec reverted", lambda: kube.custom.get_namespaced_custom_object(
+        "ray.io", "v1", namespace, "rayjobs", "drift")["spec"]["backoffLimit"] == 0, timeout=60)
+    wait_for("ConfigMap data reverted", lambda: "edited: by hand" not in
+             kube.core.read_namespaced_config_map("drift-config", namespace).data["job.yaml"], timeout=60)
+    events = kube.core.list_namespaced_event(namespace, field_selector="involvedObject.name=drift").items
+    drift = [e.message for e in events if e.reason == "DriftReverted" and e.type == "Warning"]
+    assert any("spec.backoffLimit" in m for m in drift) and any("ConfigMap drift-config" in m for m in drift), drift
+    assert phase_is(kube, namespace, "drift", "Running")
+
+
 def test_three_workers_on_two_nodes_wait_then_proceed(kube: Kube, namespace: str, operator: OperatorProcess,
                                                        gpu_node: Any) -> None:
     create(kube, namespace, ftj("three", cluster__workers={"replicas": 3, "gpusPerWorker": 4},

@@ -205,6 +205,26 @@ def test_plan_children_is_idempotent_and_detects_foreign_objects() -> None:
     assert fourth.blocked and fourth.blocked[0] == "ChildConflict" and not fourth.apply
 
 
+def test_a_child_changed_outside_the_operator_is_reapplied() -> None:
+    desired = [{"apiVersion": "ray.io/v1", "kind": "RayJob", "metadata": {"name": "j"},
+                "spec": {"suspend": False, "backoffLimit": 0, "entrypoint": "python3 -m finetune_training",
+                         "rayClusterSpec": {"headGroupSpec": {"template": {"spec": {"containers": []}}}}}}]
+    live = with_hash(desired[0])
+    live["metadata"]["ownerReferences"] = [{"uid": "uid-1"}]
+    # What the API server and KubeRay add (defaults, a normalised nested spec) is no drift.
+    live["spec"] = {**live["spec"], "submissionMode": "K8sJobMode", "rayClusterSpec": {"normalised": True}}
+    (same,) = plan_children(desired, {"j": live}, "uid-1")
+    assert not same.apply and same.drift == ()
+    edited = {**live, "spec": {**live["spec"], "suspend": True, "backoffLimit": 5}}  # kubectl edit rayjob j
+    (action,) = plan_children(desired, {"j": edited}, "uid-1")
+    assert action.apply and action.drift == ("spec.suspend", "spec.backoffLimit")
+    cm = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "c"}, "data": {"job.yaml": "a"}}
+    live_cm = {**with_hash(cm), "data": {"job.yaml": "edited"}}
+    live_cm["metadata"]["ownerReferences"] = [{"uid": "uid-1"}]
+    (cm_action,) = plan_children([cm], {"c": live_cm}, "uid-1")
+    assert cm_action.apply and cm_action.drift == ("data",)
+
+
 def test_a_previous_incarnations_child_blocks_until_it_is_gone() -> None:
     owner = {"apiVersion": "finetune.dev/v1alpha1", "kind": "FinetuneJob", "name": "j", "uid": "new"}
     desired = [{"apiVersion": "ray.io/v1", "kind": "RayJob", "metadata": {"name": "j", "ownerReferences": [owner]}}]

@@ -71,6 +71,7 @@ class ChildAction:
     apply: bool  # False: observed already matches (or is going away)
     blocked: tuple[str, str] | None = None  # (reason, message): wait, do not touch it
     lost: bool = False  # the recorded child is gone: never re-created
+    drift: tuple[str, ...] = ()  # fields someone changed on the live child: re-applied (reverted)
 
 
 def owned_by(obj: Obj | None, owner_uid: str) -> bool:
@@ -89,6 +90,18 @@ def _blocked_by(obj: Obj, cur: Obj, job_name: str) -> tuple[str, str]:
     if deleting:
         return "WaitingForPreviousChild", f"{what} is being deleted; this job proceeds once it is gone"
     return "ChildConflict", f"{what} already exists and is not owned by this FinetuneJob; delete or rename it"
+
+
+def drifted(want: Obj, cur: Obj) -> tuple[str, ...]:
+    """What of `want` someone changed on the live object (`kubectl edit`, a script): a ConfigMap's data, and
+    the top-level scalar fields of a RayJob's spec (suspend, entrypoint, backoffLimit, ...), none of which
+    KubeRay changes. The nested Ray cluster spec is left out: the API server may normalise it, and KubeRay
+    ignores edits there once the cluster exists. Pure."""
+    if want.get("kind") == "ConfigMap":
+        return ("data",) if (cur.get("data") or {}) != (want.get("data") or {}) else ()
+    have = cur.get("spec") or {}
+    return tuple(f"spec.{k}" for k, v in (want.get("spec") or {}).items()
+                 if isinstance(v, (str, int, float, bool)) and have.get(k) != v)
 
 
 def plan_children(desired: list[Obj], observed: Mapping[str, Obj | None], owner_uid: str,
@@ -120,7 +133,11 @@ def plan_children(desired: list[Obj], observed: Mapping[str, Obj | None], owner_
             actions.append(ChildAction(want, False))  # ours, going away: nothing to apply to
             continue
         have = (cur["metadata"].get("annotations") or {}).get(HASH_ANNOTATION)
-        actions.append(ChildAction(want, have != want["metadata"]["annotations"][HASH_ANNOTATION]))
+        if have != want["metadata"]["annotations"][HASH_ANNOTATION]:
+            actions.append(ChildAction(want, True))  # rendered differently now (spec or operator changed)
+            continue
+        drift = drifted(obj, cur)
+        actions.append(ChildAction(want, bool(drift), drift=drift))
     return actions
 
 
@@ -411,6 +428,13 @@ class Reconciler:
                 self._lost(ns, job.metadata.name, names, str(recorded), observed)
                 return
             if action.apply:
+                if action.drift:
+                    why = (f"{action.obj['kind']} {name} was changed outside the operator ({', '.join(action.drift)}); "
+                           "reverted to what the FinetuneJob says (change the FinetuneJob instead)")
+                    log.info("%s/%s: %s", ns, job.metadata.name, why)
+                    self.kube.event({"apiVersion": s.API_VERSION, "kind": s.KIND,
+                                     "metadata": {"name": job.metadata.name, "namespace": ns, "uid": uid}},
+                                    reason="DriftReverted", message=why, type_="Warning", now=self.clock())
                 try:
                     log.info("%s/%s: applying %s %s (%s)", ns, job.metadata.name, action.obj["kind"], name,
                              "update" if current[name] is not None else "create")
