@@ -124,7 +124,7 @@ def main() -> None:
     p.add_argument("--job", default=str(ROOT / "examples" / "local-tiny.yaml"))
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--repeats", type=int, default=1, help="alternating torchrun/Ray runs (figures pooled)")
+    p.add_argument("--repeats", type=int, default=3, help="alternating torchrun/Ray runs (figures pooled)")
     p.add_argument("--out")
     p.add_argument("--profile", help="cProfile rank 0's timed steps on both sides; reports go to this directory")
     p.add_argument("--profile-out", help=argparse.SUPPRESS)

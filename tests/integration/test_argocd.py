@@ -167,7 +167,9 @@ class ArgoCD:
         self._start("argocd-application-controller", [
             "--kubeconfig", str(self.kubeconfig), "--namespace", ARGO_NS,
             "--redis", f"127.0.0.1:{redis}", "--repo-server", f"127.0.0.1:{repo}", "--repo-server-plaintext",
-            "--metrics-port", str(ctrl_metrics), "--app-resync", "20", "--status-processors", "4",
+            # A refresh every 20 s without jitter (default 120 s + up to 60 s): a change of the job's status that
+            # keeps its health status (Progressing: starting -> Running: step n/N) triggers no refresh of its own.
+            "--metrics-port", str(ctrl_metrics), "--app-resync", "20", "--app-resync-jitter", "0", "--status-processors", "4",
             "--operation-processors", "4", "--loglevel", "info", "--logformat", "text",
             # Resource health in the Application's status (the UI reads it from Redis otherwise).
             "--persist-resource-health",

@@ -10,9 +10,10 @@ from pathlib import Path
 from finetune_operator.render.bundle import MAX_BUNDLE_BYTES, runtime_files
 from finetune_operator.render.rayjob import runtime_key
 
-# What the Ray Train DLC image provides besides the standard library.
+# What the Ray Train DLC image provides besides the standard library (flash_attn: its flash-attn 2.8.3, used
+# only when importable, modelio.attention_implementation).
 IMAGE_PACKAGES = {"torch", "ray", "transformers", "pydantic", "yaml", "numpy", "safetensors", "pyarrow", "tokenizers",
-                  "huggingface_hub", "tqdm", "datasets", "boto3", "botocore", "fsspec"}
+                  "huggingface_hub", "tqdm", "datasets", "boto3", "botocore", "fsspec", "flash_attn"}
 
 
 def _imports(source: str) -> set[str]:
