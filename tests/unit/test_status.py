@@ -215,6 +215,10 @@ def test_a_child_changed_outside_the_operator_is_reapplied() -> None:
     live["spec"] = {**live["spec"], "submissionMode": "K8sJobMode", "rayClusterSpec": {"normalised": True}}
     (same,) = plan_children(desired, {"j": live}, "uid-1")
     assert not same.apply and same.drift == ()
+    # KubeRay's own updates (its finalizer) serialise Go structs: `suspend: false`, `backoffLimit: 0` vanish.
+    omitted = {**live, "spec": {k: v for k, v in live["spec"].items() if k not in ("suspend", "backoffLimit")}}
+    (still,) = plan_children(desired, {"j": omitted}, "uid-1")
+    assert not still.apply and still.drift == ()
     edited = {**live, "spec": {**live["spec"], "suspend": True, "backoffLimit": 5}}  # kubectl edit rayjob j
     (action,) = plan_children(desired, {"j": edited}, "uid-1")
     assert action.apply and action.drift == ("spec.suspend", "spec.backoffLimit")

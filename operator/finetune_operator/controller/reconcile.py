@@ -100,8 +100,10 @@ def drifted(want: Obj, cur: Obj) -> tuple[str, ...]:
     if want.get("kind") == "ConfigMap":
         return ("data",) if (cur.get("data") or {}) != (want.get("data") or {}) else ()
     have = cur.get("spec") or {}
+    # A field missing from the live object stands for its zero value: KubeRay updates its RayJobs from Go
+    # structs (adding its finalizer), which drops `false`/`0`/`""` fields (`omitempty`) that were applied.
     return tuple(f"spec.{k}" for k, v in (want.get("spec") or {}).items()
-                 if isinstance(v, (str, int, float, bool)) and have.get(k) != v)
+                 if isinstance(v, (str, int, float, bool)) and have.get(k, type(v)()) != v)
 
 
 def plan_children(desired: list[Obj], observed: Mapping[str, Obj | None], owner_uid: str,
