@@ -75,9 +75,10 @@ async def run(args: argparse.Namespace) -> int:
     import kopf
     from aiohttp import web
 
+    from .controller.cache import Cache
     from .controller.clusterconfig import ClusterConfig
     from .controller.handlers import build_registry, settings_for_embedding
-    from .controller.k8s import Kube, load_config
+    from .controller.k8s import PODS, Kube, load_config
     from .controller.leader import LeaderElector, label_own_pod
     from .controller.metrics import Metrics
     from .controller.progress import ProgressServer
@@ -94,13 +95,16 @@ async def run(args: argparse.Namespace) -> int:
     render_cfg = RenderConfig(progress_url=args.progress_url, progress_ca=progress_ca)
     if args.submitter_image:
         render_cfg = dataclasses.replace(render_cfg, submitter_image=args.submitter_image)
+    cache = Cache(kube)
+    kube.on_written = cache.written  # a reconcile that follows its own write reads what it wrote
     reconciler = Reconciler(kube, render_cfg, runtime_files(), metrics,
-                            cluster_config=ClusterConfig(kube, args.config_namespace))
+                            cluster_config=ClusterConfig(kube, args.config_namespace), cache=cache)
     queue = WorkQueue(reconciler.reconcile, workers=args.workers)
     reconciler.requeue_after = queue.add_after
     progress = ProgressServer(kube, metrics, on_flushed=queue.add, flush_interval=args.flush_interval,
                               current_cluster=lambda ns, name: reconciler.ray_clusters.get((ns, name)),
-                              current_uid=lambda ns, name: reconciler.uids.get((ns, name)))
+                              current_uid=lambda ns, name: reconciler.uids.get((ns, name)),
+                              get_pod=lambda ns, name: cache.get(PODS, ns, name))
     metrics.queue_depth.set_function(queue.depth)
 
     ssl_ctx = None
@@ -142,7 +146,7 @@ async def run(args: argparse.Namespace) -> int:
     if elector and args.pod_name:
         await asyncio.to_thread(label_own_pod, kube, args.lease_namespace, args.pod_name, True)
 
-    registry = build_registry(queue, reconciler, progress)
+    registry = build_registry(queue, reconciler, progress, cache)
 
     @kopf.on.login(registry=registry)
     def login(**_: Any) -> Any:

@@ -7,12 +7,15 @@ finalizers, no kopf-posted Events), so the operator's writes are exactly the one
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 import kopf
 
 from ..api import spec as s
-from ..render.rayjob import INSTANCE_LABEL, JOB_LABEL
+from ..render.rayjob import JOB_LABEL
+from .cache import WATCH_SELECTORS, Cache
+from .k8s import CONFIGMAPS, FTJ, NODES, PODS, RAYCLUSTER, RAYJOB
 from .progress import ProgressServer
 from .reconcile import TERMINAL, Reconciler
 from .workqueue import WorkQueue
@@ -20,14 +23,25 @@ from .workqueue import WorkQueue
 NODE_DEBOUNCE_SECONDS = 10.0
 
 
-def build_registry(queue: WorkQueue, reconciler: Reconciler, progress: ProgressServer) -> kopf.OperatorRegistry:
+def _fed(cache: Cache | None, gvr: tuple[str, str, str], kw: dict[str, Any]) -> bool:
+    """Give the event's object to the cache; True if it was a deletion."""
+    event = kw["event"]
+    deleted = bool(event.get("type") == "DELETED")
+    if cache is not None:
+        cache.observe(gvr, event.get("object") or {}, deleted=deleted)
+    return deleted
+
+
+def build_registry(queue: WorkQueue, reconciler: Reconciler, progress: ProgressServer,
+                   cache: Cache | None = None) -> kopf.OperatorRegistry:
+    """The watches: each event feeds the read cache (cache.py) first, then queues its job's reconcile."""
     registry = kopf.OperatorRegistry()
     last_node_sweep = [0.0]
 
     @kopf.on.event(s.GROUP, s.VERSION, s.PLURAL, registry=registry)
     def finetunejob(**kw: Any) -> None:
         namespace, name = kw["namespace"], kw["name"]
-        if kw["event"].get("type") == "DELETED":
+        if _fed(cache, FTJ, kw):
             reconciler.forget(namespace, name)
             progress.forget(namespace, name)
         else:
@@ -35,16 +49,32 @@ def build_registry(queue: WorkQueue, reconciler: Reconciler, progress: ProgressS
 
     @kopf.on.event("ray.io", "v1", "rayjobs", labels={JOB_LABEL: kopf.PRESENT}, registry=registry)
     def rayjob(**kw: Any) -> None:
+        deleted = _fed(cache, RAYJOB, kw)
         reconciler.observe_rayjob(kw["namespace"], kw["labels"][JOB_LABEL], kw["event"].get("object") or {},
-                                  deleted=kw["event"].get("type") == "DELETED")
+                                  deleted=deleted)
+        queue.add(kw["namespace"], kw["labels"][JOB_LABEL])
+
+    @kopf.on.event("ray.io", "v1", "rayclusters", labels={JOB_LABEL: kopf.PRESENT}, registry=registry)
+    def raycluster(**kw: Any) -> None:
+        # KubeRay copies the RayJob's labels onto its RayCluster: its conditions (ReplicaFailure) and
+        # worker counts are seen as they change.
+        _fed(cache, RAYCLUSTER, kw)
+        queue.add(kw["namespace"], kw["labels"][JOB_LABEL])
+
+    @kopf.on.event("", "v1", "configmaps", labels={JOB_LABEL: kopf.PRESENT}, registry=registry)
+    def configmap(**kw: Any) -> None:
+        # The job's own ConfigMap: an edit outside the operator is reverted at once (drift).
+        _fed(cache, CONFIGMAPS, kw)
         queue.add(kw["namespace"], kw["labels"][JOB_LABEL])
 
     @kopf.on.event("", "v1", "pods", labels={JOB_LABEL: kopf.PRESENT}, registry=registry)
     def pod(**kw: Any) -> None:
+        _fed(cache, PODS, kw)
         queue.add(kw["namespace"], kw["labels"][JOB_LABEL])
 
     @kopf.on.event("", "v1", "nodes", registry=registry)
     def node(**kw: Any) -> None:
+        _fed(cache, NODES, kw)
         # New capacity may let waiting jobs proceed; heartbeats make this chatty, so sweep at most
         # once per debounce period, and only jobs that are not running or finished.
         now = time.monotonic()
@@ -58,6 +88,10 @@ def build_registry(queue: WorkQueue, reconciler: Reconciler, progress: ProgressS
     return registry
 
 
+def _resource_is(group: str, plural: str) -> Callable[[Any], bool]:
+    return lambda r: bool(r.group == group and r.plural == plural)
+
+
 def settings_for_embedding() -> kopf.OperatorSettings:
     settings = kopf.OperatorSettings()
     settings.posting.enabled = False  # we post our own, meaningful Events
@@ -65,9 +99,9 @@ def settings_for_embedding() -> kopf.OperatorSettings:
     # Server-side label selectors: the handlers' `labels=` filters run in this process, so without these
     # the operator would stream every pod (and RayJob) of the cluster and drop most of them.
     selectors = settings.watching.label_selectors
-    selectors[lambda r: r.group == "" and r.plural == "pods"] = JOB_LABEL
-    selectors[lambda r: r.group == "ray.io" and r.plural == "rayjobs"] = JOB_LABEL
-    selectors[lambda r: r.group == "" and r.plural == "nodes"] = INSTANCE_LABEL
+    for (group, _, plural), selector in WATCH_SELECTORS.items():
+        if selector:
+            selectors[_resource_is(group, plural)] = selector
     settings.watching.server_timeout = 300
     settings.watching.client_timeout = 330
     return settings

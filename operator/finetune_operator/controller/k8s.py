@@ -106,6 +106,8 @@ class Kube:
         self._lock = threading.Lock()
         # Fencing (leader.py): every write but the Lease's own asks this first; None: always allowed.
         self.may_write: Callable[[], bool] | None = None
+        # Every write's answer (the object as stored) goes here: the read cache (cache.py) keeps it.
+        self.on_written: Callable[[Obj], None] | None = None
 
     # ------------------------------------------------------------------------------------------ REST
     def request(
@@ -136,7 +138,10 @@ class Kube:
             raise NotLeader(f"{verb} {kind} refused: this replica no longer surely holds the leader Lease")
         with self._lock:
             self.writes[f"{verb} {kind}"] += 1
-        return self.request(method, path, **kw)
+        out = self.request(method, path, **kw)
+        if self.on_written is not None and isinstance(out, dict) and out.get("metadata"):
+            self.on_written(out)
+        return out
 
     def get(self, gvr: tuple[str, str, str], namespace: str | None, name: str) -> Obj | None:
         try:
@@ -147,8 +152,19 @@ class Kube:
             raise  # a 404 for the resource type itself (e.g. the KubeRay CRDs are missing) is an error
 
     def list_objects(self, gvr: tuple[str, str, str], namespace: str | None = None, selector: str | None = None) -> list[Obj]:
+        return self.list_with_version(gvr, namespace, selector)[0]
+
+    def list_with_version(self, gvr: tuple[str, str, str], namespace: str | None = None,
+                          selector: str | None = None) -> tuple[list[Obj], str]:
+        """The items and the list's resourceVersion (the point in time the list shows)."""
         query = {"labelSelector": selector} if selector else None
-        return list(self.request("GET", _path(gvr, namespace), query=query).get("items") or [])
+        out = self.request("GET", _path(gvr, namespace), query=query)
+        kind = str(out.get("kind") or "").removesuffix("List")
+        items = list(out.get("items") or [])
+        for item in items:  # a list's items carry no apiVersion/kind
+            item.setdefault("kind", kind)
+            item.setdefault("apiVersion", out.get("apiVersion"))
+        return items, str((out.get("metadata") or {}).get("resourceVersion") or "")
 
     # ----------------------------------------------------------------------------------------- writes
     def apply(self, obj: Obj) -> Obj:

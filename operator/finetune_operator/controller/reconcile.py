@@ -24,6 +24,7 @@ from ..api.status import Phase
 from ..api.validation import SpecError, parse_job
 from ..render.config import RenderConfig
 from ..render.rayjob import JOB_LABEL, child_names, is_shared, render_children, suspension_patch
+from .cache import Cache
 from .clusterconfig import ClusterConfig
 from .k8s import FTJ, NODES, PODS, RAYCLUSTER, RAYJOB, ApiError, Kube, ObjectReplaced, gvr_of
 from .metrics import Metrics
@@ -163,8 +164,12 @@ class Reconciler:
         clock: Callable[[], str] = utcnow,
         requeue_after: Callable[[str, str, float], None] | None = None,
         cluster_config: ClusterConfig | None = None,
+        cache: Cache | None = None,
     ):
         self.kube = kube
+        # Reads come from the watches' stores when there is a cache (the operator), else straight from the
+        # API server (unit tests, one-off tools).
+        self.cache = cache
         self.cfg = cfg
         self.cluster_config = cluster_config
         self.runtime_files = dict(runtime_files)
@@ -180,12 +185,26 @@ class Reconciler:
         self.ray_clusters: dict[tuple[str, str], str] = {}
         self._stall_checks: dict[tuple[str, str], float] = {}
         self.uids: dict[tuple[str, str], str] = {}  # the FinetuneJob object last reconciled under each name
+        # Shared children (the runtime ConfigMap) this process has seen owned by a job: (ns, name, owner uid).
+        self._shared_owned: set[tuple[str, str, str]] = set()
+
+    # ------------------------------------------------------------------------------------------ reads
+    def _get(self, gvr: tuple[str, str, str], namespace: str | None, name: str) -> Obj | None:
+        return self.cache.get(gvr, namespace, name) if self.cache else self.kube.get(gvr, namespace, name)
+
+    def _get_live(self, gvr: tuple[str, str, str], namespace: str | None, name: str) -> Obj | None:
+        return self.cache.get_live(gvr, namespace, name) if self.cache else self.kube.get(gvr, namespace, name)
+
+    def _list(self, gvr: tuple[str, str, str], namespace: str | None, selector: str) -> list[Obj]:
+        return self.cache.list_objects(gvr, namespace, selector) if self.cache else self.kube.list_objects(gvr, namespace, selector)
 
     def forget(self, namespace: str, name: str) -> None:
         self.phases.pop((namespace, name), None)
         self.uids.pop((namespace, name), None)
         self._stall_checks.pop((namespace, name), None)
         self.ray_clusters.pop((namespace, name), None)
+        if self.cache is not None:
+            self.cache.forget_selector(PODS, namespace, f"{JOB_LABEL}={name}")
         for uid in self._rayjob_uids.pop((namespace, name), set()):
             self.final_rayjob_status.pop(uid, None)
         self.metrics.forget(namespace, name)
@@ -236,7 +255,7 @@ class Reconciler:
         """Make a failing reconcile visible in the job's status (best effort: the API may be what fails)."""
         reason, message = error_reason(err)
         try:
-            body = self.kube.get(FTJ, namespace, name)
+            body = self._get(FTJ, namespace, name)
             if body is None:
                 return
             prev = body.get("status") or {}
@@ -251,7 +270,7 @@ class Reconciler:
             log.debug("could not record reconcile error for %s/%s: %s", namespace, name, again)
 
     def _reconcile(self, namespace: str, name: str) -> str | None:
-        body = self.kube.get(FTJ, namespace, name)
+        body = self._get(FTJ, namespace, name)
         if body is None or body["metadata"].get("deletionTimestamp"):
             self.forget(namespace, name)
             return None
@@ -271,7 +290,7 @@ class Reconciler:
             if prev.get("phase") in TERMINAL:
                 # Finished: observe only, and only our own RayJob. Never re-create children KubeRay or a
                 # user cleaned up.
-                rj = self.kube.get(RAYJOB, namespace, names["rayJob"])
+                rj = self._get(RAYJOB, namespace, names["rayJob"])
                 if rj is not None and rj["metadata"].get("uid") == prev.get("rayJobUID") and owned_by(rj, meta["uid"]):
                     observed.rayjob = rj
             elif prev.get("stallRestartPending") and not job.spec.suspend:
@@ -284,12 +303,13 @@ class Reconciler:
 
         if job is not None and observed.rayjob is not None:
             cluster_name = (observed.rayjob.get("status") or {}).get("rayClusterName")
-            observed.pods = pods_of(self.kube.list_objects(PODS, namespace, f"{JOB_LABEL}={name}"), observed.rayjob)
+            observed.pods = pods_of(self._list(PODS, namespace, f"{JOB_LABEL}={name}"), observed.rayjob)
             if cluster_name and prev.get("phase") not in TERMINAL:
-                rc = self.kube.get(RAYCLUSTER, namespace, cluster_name)
+                rc = self._get(RAYCLUSTER, namespace, cluster_name)
                 if owned_by(rc, observed.rayjob["metadata"].get("uid") or ""):
                     observed.raycluster = rc
-            if prev.get("phase") not in TERMINAL:
+            if prev.get("phase") not in TERMINAL and prev.get("phase") != Phase.running.value:
+                # Capacity matters until the job runs: a running job's Capacity condition stays as it was.
                 observed.capacity = self._capacity(job, cfg)
         elif job is not None and not observed.blocked and not observed.rayjob_lost:
             observed.capacity = self._capacity(job, cfg)
@@ -386,7 +406,7 @@ class Reconciler:
         return job, dataclasses.replace(self.cfg, instance_types=table)
 
     def _capacity(self, job: s.FinetuneJob, cfg: RenderConfig | None = None) -> Any:
-        nodes = self.kube.list_objects(NODES, None, f"node.kubernetes.io/instance-type={job.spec.cluster.instance_type}")
+        nodes = self._list(NODES, None, f"node.kubernetes.io/instance-type={job.spec.cluster.instance_type}")
         return check_capacity(job.spec, nodes, (cfg or self.cfg).instance_types)
 
     def _ensure_children(self, job: s.FinetuneJob, prev: Obj, names: dict[str, str], observed: Observed,
@@ -396,7 +416,10 @@ class Reconciler:
         recorded = prev.get("rayJobUID")
         rayjob_now: Obj | None = None
         if recorded:
-            rayjob_now = self.kube.get(RAYJOB, ns, names["rayJob"])
+            rayjob_now = self._get(RAYJOB, ns, names["rayJob"])
+            if rayjob_now is None or rayjob_now["metadata"].get("uid") != recorded:
+                # Lost only on the API server's word, never on the cache's (it may lag behind).
+                rayjob_now = self._get_live(RAYJOB, ns, names["rayJob"])
             if rayjob_now is None or rayjob_now["metadata"].get("uid") != recorded:
                 self._lost(ns, job.metadata.name, names, recorded, observed)
                 return
@@ -414,12 +437,15 @@ class Reconciler:
             observed.spec_issues = err.issues
             return
         for obj in [o for o in desired if is_shared(o)]:
-            ensure_shared(self.kube, obj)
+            key = (ns, obj["metadata"]["name"], uid)
+            if key not in self._shared_owned:  # once per job and process: it only ever gains owners
+                ensure_shared(self.kube, obj)
+                self._shared_owned.add(key)
         desired = [o for o in desired if not is_shared(o)]
         # The RayJob observed above is the one judged: a second GET could see it gone and lead to its
         # re-creation (apply is create-or-update); the recorded UID in the apply body closes that race.
         current = {o["metadata"]["name"]: rayjob_now if recorded and o["metadata"]["name"] == names["rayJob"]
-                   else self.kube.get(gvr_of(o), ns, o["metadata"]["name"]) for o in desired}
+                   else self._get(gvr_of(o), ns, o["metadata"]["name"]) for o in desired}
         pins = {names["rayJob"]: str(recorded)} if recorded else {}
         for action in plan_children(desired, current, uid, pins):
             if action.blocked:

@@ -8,6 +8,7 @@ so nothing is ever re-applied under running trainers.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from .k8s import ApiError, Kube, gvr_of
@@ -15,11 +16,12 @@ from .k8s import ApiError, Kube, gvr_of
 Obj = dict[str, Any]
 
 
-def ensure_shared(kube: Kube, obj: Obj) -> Obj:
-    """Create `obj` if absent; otherwise add its ownerReferences to the existing one. Returns the object."""
+def ensure_shared(kube: Kube, obj: Obj, get: Callable[[Any, str | None, str], Obj | None] | None = None) -> Obj:
+    """Create `obj` if absent; otherwise add its ownerReferences to the existing one. Returns the object.
+    `get` reads the current object (default: a GET)."""
     meta = obj["metadata"]
     ns, name, gvr = meta.get("namespace"), meta["name"], gvr_of(obj)
-    current = kube.get(gvr, ns, name)
+    current = (get or kube.get)(gvr, ns, name)
     if current is None:
         try:
             return kube.create(gvr, ns, obj, obj["kind"])

@@ -34,14 +34,15 @@
 {{- end -}}
 
 {{/* ClusterRole finetune-operator-children: write the children. Server-side apply = patch (create for
-the first apply); delete only for shared runtime ConfigMaps no job uses any more. */}}
+the first apply); delete only for shared runtime ConfigMaps no job uses any more; watch: the operator
+reads the jobs' ConfigMaps from a watch (labelled finetune.dev/job) to revert edits at once. */}}
 {{- define "finetune.childrenRules" -}}
 - apiGroups: ["ray.io"]
   resources: ["rayjobs"]
   verbs: ["create", "patch"]
 - apiGroups: [""]
   resources: ["configmaps"]
-  verbs: ["get", "list", "create", "patch", "delete"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
 {{- end -}}
 
 {{/* Role finetune-operator-leader in the release namespace: the Lease, its own pod's leader label,

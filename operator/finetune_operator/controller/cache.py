@@ -1,0 +1,272 @@
+"""What the operator reads, served from memory: the objects its watches deliver, kept per resource.
+
+Every reconcile used to GET its FinetuneJob, RayJob, ConfigMap and RayCluster and LIST its pods and the
+nodes: ~8 requests each, ~4 reconciles per job on its way to Running. The watches that trigger those
+reconciles already carry the objects, so the reconciler reads them from here instead (an informer's
+store, as client-go's controllers do).
+
+How it stays right:
+- Newest wins. Watch events and the responses to the operator's own writes both feed the store; an
+  object is replaced only by one with a higher resourceVersion, so a late watch event never undoes a
+  write the reconciler has just made, and a reconcile that follows its own write sees it.
+- Deletions leave a tombstone (its resourceVersion) so an older copy arriving afterwards (the response
+  to a write that was in flight) does not bring the object back.
+- Nothing is assumed from absence before the store has seen it: a by-name read that misses is confirmed
+  with a live GET (a recorded RayJob is never called lost on the cache's word), and the first list of a
+  (resource, namespace, selector) after start is a live LIST that primes it; later lists come from here.
+- Objects are kept slim: only what the reconciler reads (no managedFields, no pod specs, no Ray cluster
+  spec), so a thousand jobs cost megabytes, not hundreds of them.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from ..render.rayjob import INSTANCE_LABEL, JOB_LABEL
+from .k8s import CONFIGMAPS, FTJ, NODES, PODS, RAYCLUSTER, RAYJOB, Kube
+
+Obj = dict[str, Any]
+Gvr = tuple[str, str, str]
+log = logging.getLogger("finetune.cache")
+TOMBSTONE_SECONDS = 600.0
+
+_META_DROP = ("managedFields",)
+
+
+def _meta(obj: Obj) -> Obj:
+    return {k: v for k, v in (obj.get("metadata") or {}).items() if k not in _META_DROP}
+
+
+def _slim_rayjob(obj: Obj) -> Obj:
+    # The reconciler reads the RayJob's metadata (UID, owners, render hash, deletion), its status, and the
+    # top-level scalar spec fields (suspend, drift detection): not the Ray cluster spec it embeds.
+    spec = {k: v for k, v in (obj.get("spec") or {}).items() if isinstance(v, (str, int, float, bool))}
+    return {"apiVersion": obj.get("apiVersion"), "kind": obj.get("kind"), "metadata": _meta(obj), "spec": spec,
+            "status": obj.get("status") or {}}
+
+
+def _slim_raycluster(obj: Obj) -> Obj:
+    return {"apiVersion": obj.get("apiVersion"), "kind": obj.get("kind"), "metadata": _meta(obj),
+            "status": obj.get("status") or {}}
+
+
+def _slim_pod(obj: Obj) -> Obj:
+    st = obj.get("status") or {}
+    keep = ("phase", "conditions", "containerStatuses", "initContainerStatuses", "reason", "message")
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": _meta(obj),
+            "spec": {"nodeName": (obj.get("spec") or {}).get("nodeName")},
+            "status": {k: st[k] for k in keep if k in st}}
+
+
+def _slim_node(obj: Obj) -> Obj:
+    st, spec = obj.get("status") or {}, obj.get("spec") or {}
+    meta = _meta(obj)
+    meta.pop("annotations", None)
+    return {"apiVersion": "v1", "kind": "Node", "metadata": meta,
+            "spec": {k: spec[k] for k in ("taints", "unschedulable") if k in spec},
+            "status": {k: st[k] for k in ("allocatable", "capacity", "conditions") if k in st}}
+
+
+def _slim_plain(obj: Obj) -> Obj:
+    return {**obj, "metadata": _meta(obj)}
+
+
+SLIM: dict[Gvr, Callable[[Obj], Obj]] = {
+    FTJ: _slim_plain,
+    RAYJOB: _slim_rayjob,
+    RAYCLUSTER: _slim_raycluster,
+    PODS: _slim_pod,
+    NODES: _slim_node,
+    CONFIGMAPS: _slim_plain,
+}
+# The label selector of each resource's watch (handlers.py gives kopf the same): a store holds only objects
+# its watch delivers, so it never keeps one no event will ever update or delete.
+WATCH_SELECTORS: dict[Gvr, str | None] = {
+    FTJ: None,
+    RAYJOB: JOB_LABEL,
+    RAYCLUSTER: JOB_LABEL,
+    PODS: JOB_LABEL,
+    NODES: INSTANCE_LABEL,
+    CONFIGMAPS: JOB_LABEL,
+}
+KINDS: dict[str, Gvr] = {"FinetuneJob": FTJ, "RayJob": RAYJOB, "RayCluster": RAYCLUSTER, "Pod": PODS, "Node": NODES,
+                         "ConfigMap": CONFIGMAPS}
+
+
+def _rv(obj: Obj) -> int:
+    try:
+        return int((obj.get("metadata") or {}).get("resourceVersion") or 0)
+    except ValueError:  # opaque resourceVersions (not etcd): newest received wins
+        return 0
+
+
+def parse_selector(selector: str | None) -> list[tuple[str, str | None]]:
+    """`a=b,c` -> [(a, b), (c, None)]: equality and existence terms (all the operator uses)."""
+    terms: list[tuple[str, str | None]] = []
+    for part in (selector or "").split(","):
+        part = part.strip()
+        if not part:
+            continue
+        if "=" in part:
+            k, v = part.split("=", 1)
+            terms.append((k.strip().rstrip("="), v.strip()))
+        else:
+            terms.append((part, None))
+    return terms
+
+
+def matches(obj: Obj, terms: list[tuple[str, str | None]]) -> bool:
+    labels = (obj.get("metadata") or {}).get("labels") or {}
+    return all(k in labels and (v is None or labels[k] == v) for k, v in terms)
+
+
+class Store:
+    """One resource's objects by (namespace, name). Thread-safe."""
+
+    def __init__(self, gvr: Gvr, clock: Callable[[], float] = time.monotonic):
+        self.gvr = gvr
+        self.slim = SLIM.get(gvr, _slim_plain)
+        self.terms = parse_selector(WATCH_SELECTORS.get(gvr))
+        self.clock = clock
+        self._lock = threading.Lock()
+        self._objects: dict[tuple[str, str], Obj] = {}
+        self._tombstones: dict[tuple[str, str], tuple[int, float]] = {}
+
+    @staticmethod
+    def key(obj: Obj) -> tuple[str, str]:
+        meta = obj.get("metadata") or {}
+        return str(meta.get("namespace") or ""), str(meta.get("name") or "")
+
+    def upsert(self, obj: Obj) -> None:
+        if not matches(obj, self.terms):
+            return  # not what the watch delivers (e.g. the shared runtime ConfigMap): never kept
+        key, rv = self.key(obj), _rv(obj)
+        with self._lock:
+            cur = self._objects.get(key)
+            if cur is not None and rv and _rv(cur) > rv:
+                return  # an older copy (a watch event behind a write this process made)
+            dead = self._tombstones.get(key)
+            if dead is not None:
+                if rv and rv <= dead[0]:
+                    return  # the object was deleted after this copy was taken
+                del self._tombstones[key]
+            self._objects[key] = self.slim(obj)
+
+    def delete(self, obj: Obj) -> None:
+        key, rv = self.key(obj), _rv(obj)
+        with self._lock:
+            cur = self._objects.get(key)
+            if cur is not None and rv and _rv(cur) > rv:
+                return  # a newer object of that name already replaced the deleted one
+            self._objects.pop(key, None)
+            self._tombstones[key] = (rv, self.clock())
+            if len(self._tombstones) > 1024:
+                cutoff = self.clock() - TOMBSTONE_SECONDS
+                self._tombstones = {k: t for k, t in self._tombstones.items() if t[1] >= cutoff}
+
+    def get(self, namespace: str | None, name: str) -> Obj | None:
+        """A copy: callers may change what they read without changing the store."""
+        with self._lock:
+            obj = self._objects.get((namespace or "", name))
+        return copy.deepcopy(obj) if obj is not None else None
+
+    def select(self, namespace: str | None, selector: str | None) -> list[Obj]:
+        terms = parse_selector(selector)
+        with self._lock:
+            objs = list(self._objects.items())
+        return [copy.deepcopy(o) for (ns, _), o in objs if (namespace is None or ns == namespace) and matches(o, terms)]
+
+    def replace(self, namespace: str | None, selector: str | None, items: list[Obj], list_rv: str = "") -> None:
+        """A live LIST of (namespace, selector) taken at resourceVersion `list_rv`: what it lacks is gone
+        unless a watch event newer than the list brought it, what it has is current unless newer."""
+        terms = parse_selector(selector)
+        try:
+            at = int(list_rv)
+        except ValueError:
+            at = 0
+        listed = {self.key(o) for o in items}
+        with self._lock:
+            for key in [k for k, o in self._objects.items()
+                        if k not in listed and (namespace is None or k[0] == namespace) and matches(o, terms)
+                        and (not at or _rv(o) <= at)]:
+                del self._objects[key]
+        for obj in items:
+            self.upsert(obj)
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._objects)
+
+
+class Cache:
+    """The stores of every resource the reconciler reads, and the read rules (see the module doc)."""
+
+    def __init__(self, kube: Kube):
+        self.kube = kube
+        self.stores: dict[Gvr, Store] = {gvr: Store(gvr) for gvr in SLIM}
+        self._primed: set[tuple[Gvr, str | None, str | None]] = set()
+        self._lock = threading.Lock()
+        self.live_reads = 0  # GETs and LISTs that went to the API server (misses and priming)
+
+    # ------------------------------------------------------------------------------------- feeding
+    def observe(self, gvr: Gvr, obj: Obj, deleted: bool = False) -> None:
+        """A watch event's object (DELETED: its last state)."""
+        store = self.stores.get(gvr)
+        if store is None or not (obj.get("metadata") or {}).get("name"):
+            return
+        if deleted:
+            store.delete(obj)
+        else:
+            store.upsert(obj)
+
+    def written(self, obj: Obj) -> None:
+        """The API server's answer to one of the operator's writes (the object as stored)."""
+        gvr = KINDS.get(str(obj.get("kind") or ""))
+        if gvr is not None and (obj.get("metadata") or {}).get("resourceVersion"):
+            self.stores[gvr].upsert(obj)
+
+    # -------------------------------------------------------------------------------------- reading
+    def get(self, gvr: Gvr, namespace: str | None, name: str) -> Obj | None:
+        """From memory; a miss is confirmed by a live GET (the store may not have seen it yet)."""
+        store = self.stores.get(gvr)
+        if store is not None:
+            hit = store.get(namespace, name)
+            if hit is not None:
+                return hit
+        return self.get_live(gvr, namespace, name)
+
+    def get_live(self, gvr: Gvr, namespace: str | None, name: str) -> Obj | None:
+        with self._lock:
+            self.live_reads += 1
+        obj = self.kube.get(gvr, namespace, name)
+        store = self.stores.get(gvr)
+        if obj is not None and store is not None:
+            store.upsert(obj)
+            return store.get(namespace, name) or obj
+        return obj
+
+    def list_objects(self, gvr: Gvr, namespace: str | None, selector: str | None) -> list[Obj]:
+        store = self.stores.get(gvr)
+        if store is None:
+            return self.kube.list_objects(gvr, namespace, selector)
+        key = (gvr, namespace, selector)
+        if key not in self._primed:
+            with self._lock:
+                self.live_reads += 1
+            store.replace(namespace, selector, *self.kube.list_with_version(gvr, namespace, selector))
+            with self._lock:
+                self._primed.add(key)
+        return store.select(namespace, selector)
+
+    def forget_selector(self, gvr: Gvr, namespace: str | None, selector: str | None) -> None:
+        """The next list of it is live again (a job deleted: its per-job selector is not kept primed)."""
+        with self._lock:
+            self._primed.discard((gvr, namespace, selector))
+
+    def sizes(self) -> dict[str, int]:
+        return {gvr[2]: len(store) for gvr, store in self.stores.items()}

@@ -1,0 +1,123 @@
+"""The operator's read cache (controller/cache.py): newest wins, deletions stick, misses are confirmed.
+
+The live reads go to a recording stand-in for the API client (the cache's rules are what is tested here;
+tests/integration runs the operator with the cache against the real API server)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from finetune_operator.controller.cache import Cache, Store
+from finetune_operator.controller.k8s import CONFIGMAPS, FTJ, NODES, PODS, RAYJOB
+
+Obj = dict[str, Any]
+
+
+def obj(kind: str, name: str, rv: int, ns: str = "ns", labels: dict[str, str] | None = None, **extra: Any) -> Obj:
+    meta: Obj = {"name": name, "namespace": ns, "resourceVersion": str(rv), "uid": f"uid-{name}",
+                 "labels": labels if labels is not None else {"finetune.dev/job": name},
+                 "managedFields": [{"manager": "x"}]}
+    return {"apiVersion": "v1", "kind": kind, "metadata": meta, **extra}
+
+
+class LiveReads:
+    """Stands in for the API server's answers to GET and LIST, and counts them."""
+
+    def __init__(self) -> None:
+        self.objects: dict[tuple[str, str, str], Obj] = {}
+        self.calls: list[str] = []
+        self.list_rv = "0"
+
+    def get(self, gvr: Any, ns: str | None, name: str) -> Obj | None:
+        self.calls.append(f"get {gvr[2]} {name}")
+        return self.objects.get((gvr[2], ns or "", name))
+
+    def list_with_version(self, gvr: Any, ns: str | None, selector: str | None) -> tuple[list[Obj], str]:
+        self.calls.append(f"list {gvr[2]} {selector}")
+        return [o for (plural, n, _), o in self.objects.items() if plural == gvr[2] and (ns is None or n == ns)], self.list_rv
+
+
+def test_a_late_watch_event_never_undoes_a_newer_write() -> None:
+    store = Store(RAYJOB)
+    store.upsert(obj("RayJob", "a", 10, status={"jobDeploymentStatus": "Running"}))
+    store.upsert(obj("RayJob", "a", 9, status={"jobDeploymentStatus": "Initializing"}))
+    assert store.get("ns", "a")["status"]["jobDeploymentStatus"] == "Running"  # type: ignore[index]
+    store.upsert(obj("RayJob", "a", 11, status={"jobDeploymentStatus": "Complete"}))
+    assert store.get("ns", "a")["status"]["jobDeploymentStatus"] == "Complete"  # type: ignore[index]
+
+
+def test_a_deleted_object_is_not_brought_back_by_an_older_copy() -> None:
+    store = Store(RAYJOB)
+    store.upsert(obj("RayJob", "a", 10))
+    store.delete(obj("RayJob", "a", 12))
+    store.upsert(obj("RayJob", "a", 11))  # the answer to a write that was in flight
+    assert store.get("ns", "a") is None
+    store.upsert(obj("RayJob", "a", 13))  # a new object of that name
+    assert store.get("ns", "a") is not None
+
+
+def test_reads_are_copies_and_objects_are_kept_slim() -> None:
+    store = Store(RAYJOB)
+    big = obj("RayJob", "a", 1, spec={"suspend": False, "entrypoint": "python -m x",
+                                       "rayClusterSpec": {"headGroupSpec": {"template": {"spec": {"containers": []}}}}})
+    store.upsert(big)
+    got = store.get("ns", "a")
+    assert got is not None
+    assert got["spec"] == {"suspend": False, "entrypoint": "python -m x"}  # what drift and suspend read
+    assert "managedFields" not in got["metadata"]
+    got["metadata"]["uid"] = "changed"
+    assert store.get("ns", "a")["metadata"]["uid"] == "uid-a"  # type: ignore[index]
+
+    pods = Store(PODS)
+    pods.upsert(obj("Pod", "p", 1, spec={"nodeName": "n1", "containers": [{"name": "c", "env": [1] * 50}]},
+                    status={"phase": "Running", "podIP": "10.0.0.1", "conditions": [{"type": "Ready"}]}))
+    assert pods.get("ns", "p") == {"apiVersion": "v1", "kind": "Pod",
+                                   "metadata": {"name": "p", "namespace": "ns", "resourceVersion": "1",
+                                                "uid": "uid-p", "labels": {"finetune.dev/job": "p"}},
+                                   "spec": {"nodeName": "n1"},
+                                   "status": {"phase": "Running", "conditions": [{"type": "Ready"}]}}
+
+
+def test_only_what_the_watch_delivers_is_kept() -> None:
+    # The shared runtime ConfigMap carries no job label: no watch event would ever update or delete it.
+    store = Store(CONFIGMAPS)
+    store.upsert(obj("ConfigMap", "finetune-runtime-abc", 1, labels={"finetune.dev/runtime": "abc"}))
+    assert store.get("ns", "finetune-runtime-abc") is None
+    nodes = Store(NODES)
+    nodes.upsert(obj("Node", "cpu-1", 1, ns="", labels={}))
+    nodes.upsert(obj("Node", "gpu-1", 1, ns="", labels={"node.kubernetes.io/instance-type": "g6.12xlarge"}))
+    assert [n["metadata"]["name"] for n in nodes.select(None, "node.kubernetes.io/instance-type=g6.12xlarge")] == ["gpu-1"]
+    assert nodes.select(None, "node.kubernetes.io/instance-type=p5.48xlarge") == []
+
+
+def test_a_miss_is_confirmed_live_and_a_hit_is_not() -> None:
+    live = LiveReads()
+    cache = Cache(live)  # type: ignore[arg-type]
+    assert cache.get(RAYJOB, "ns", "a") is None
+    assert live.calls == ["get rayjobs a"]
+    live.objects[("rayjobs", "ns", "a")] = obj("RayJob", "a", 5)
+    assert cache.get(RAYJOB, "ns", "a") is not None  # created meanwhile: the live GET finds it
+    assert cache.get(RAYJOB, "ns", "a") is not None  # and now it is kept
+    assert live.calls == ["get rayjobs a", "get rayjobs a"]
+    cache.written(obj("FinetuneJob", "a", 7, status={"phase": "Running"}))  # the answer to our own write
+    assert cache.get(FTJ, "ns", "a")["status"] == {"phase": "Running"}  # type: ignore[index]
+    assert len(live.calls) == 2
+
+
+def test_the_first_list_primes_and_later_lists_come_from_the_watch() -> None:
+    live = LiveReads()
+    cache = Cache(live)  # type: ignore[arg-type]
+    cache.observe(PODS, obj("Pod", "stale", 3))  # a pod the watch saw, gone by the time of the list
+    live.objects[("pods", "ns", "head")] = obj("Pod", "head", 4)
+    live.list_rv = "5"
+    cache.observe(PODS, obj("Pod", "newer", 6))  # created after the list was taken: must survive it
+    names = sorted(p["metadata"]["name"] for p in cache.list_objects(PODS, "ns", None))
+    assert names == ["head", "newer"]
+    assert live.calls == ["list pods None"]
+    cache.observe(PODS, obj("Pod", "worker", 7))
+    cache.observe(PODS, obj("Pod", "head", 8), deleted=True)
+    assert sorted(p["metadata"]["name"] for p in cache.list_objects(PODS, "ns", None)) == ["newer", "worker"]
+    assert live.calls == ["list pods None"]
+    cache.forget_selector(PODS, "ns", None)
+    cache.list_objects(PODS, "ns", None)
+    assert live.calls == ["list pods None", "list pods None"]
