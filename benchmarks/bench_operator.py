@@ -218,6 +218,7 @@ def main() -> int:
     ap.add_argument("--settle", type=float, default=20.0, help="quiet seconds before the idle window starts")
     ap.add_argument("--reporting", type=int, default=100, help="jobs posting progress for the status latency")
     ap.add_argument("--report-seconds", type=float, default=30.0)
+    ap.add_argument("--flush-interval", type=float, default=5.0, help="the operator's --flush-interval (its default: 5)")
     ap.add_argument("--report-every", type=float, default=5.0,
                     help="seconds between one job's progress POSTs (the runtime posts at most every 5 s)")
     args = ap.parse_args()
@@ -240,7 +241,10 @@ def main() -> int:
     core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=ns)))
     (work / "op").mkdir()
     sa = service_account_kubeconfig(Path(cluster.kubeconfig), work / "sa-kubeconfig")
-    op = OperatorProcess(sa, work / "op", lease_namespace="finetune-system")
+    # The operator as deployed: the Deployment's flush and resync intervals (the test fixture's are shorter)
+    # and the image's malloc setting (Dockerfile.operator).
+    op = OperatorProcess(sa, work / "op", lease_namespace="finetune-system", extra_env={"MALLOC_ARENA_MAX": "2"},
+                         extra_args=["--flush-interval", str(args.flush_interval), "--resync-interval", "120"])
     op.start()
     stop = threading.Event()
     rj_seen: dict[str, float] = {}
