@@ -88,6 +88,16 @@ def prompt_completion_records(n: int = 120) -> list[dict[str, str]]:
     return out
 
 
+def records_with_long_prompts(n: int = 40, long: int = 10) -> list[dict[str, str]]:
+    """`prompt_completion_records(n)` whose first `long` prompts are 43 tokens (the others 16, plus a
+    10-token completion): without packing, a sequenceLength of 24 leaves those `long` records with no
+    trained token (issue 11.11), one of 64 keeps every completion."""
+    recs = prompt_completion_records(n)
+    for r in recs[:long]:
+        r["prompt"] = "Question: " + "What is one plus one? " * 3 + "\nAnswer: "
+    return recs
+
+
 @pytest.fixture(scope="module")
 def process_group() -> Iterator[None]:
     import torch.distributed as dist

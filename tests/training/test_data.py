@@ -219,6 +219,41 @@ def test_records_truncated_away_are_counted(tmp_path: Path, tokenizer: Any) -> N
     assert D.untrained_after_truncation([D.Example([1, 2, 3], [IGNORE, 2, 3])], 2) == 0
 
 
+def test_truncation_notice_warns_above_the_threshold_and_names_the_fix() -> None:
+    import logging
+
+    assert D.TRUNCATION_WARN_FRACTION == 0.02
+    notice = D.truncation_notice({"train_records": 100, "train_records_truncated_away": 3}, 48)
+    assert notice is not None
+    level, text = notice
+    assert level == logging.WARNING
+    assert text.startswith("WARNING: data: 3 of 100 training records (3.0%) have no trained token left")
+    assert "sequenceLength 48" in text and "more than 2%" in text
+    assert text.endswith("(raise training.sequenceLength or enable training.packing)")
+    # Just above: 201 of 10000 (2.01 %) warns.
+    above = D.truncation_notice({"train_records": 10000, "train_records_truncated_away": 201}, 64)
+    assert above is not None and above[0] == logging.WARNING
+
+
+def test_truncation_notice_at_or_below_the_threshold_only_counts() -> None:
+    import logging
+
+    for lost, total in ((2, 100), (1, 50), (1, 1000)):  # exactly 2 % and below: no warning
+        notice = D.truncation_notice({"train_records": total, "train_records_truncated_away": lost}, 32)
+        assert notice is not None, (lost, total)
+        level, text = notice
+        assert level == logging.INFO, (lost, total)
+        assert text == (f"data: {lost} of {total} training records ({lost / total:.1%}) have no trained token "
+                        f"left after truncation to sequenceLength 32")
+        assert "WARNING" not in text and "raise training.sequenceLength" not in text
+
+
+def test_truncation_notice_is_silent_when_nothing_is_lost_or_the_data_is_packed() -> None:
+    assert D.truncation_notice({"train_records": 100, "train_records_truncated_away": 0}, 32) is None
+    assert D.truncation_notice({"train_records": 100}, 32) is None  # packed: the key is absent
+    assert D.truncation_notice({}, 32) is None
+
+
 # ------------------------------------------------------------------------------------- batch order
 
 

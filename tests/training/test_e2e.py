@@ -1,7 +1,8 @@
 """The real thing: embedded Ray, 2 CPU workers, FSDP2 over gloo, a worker killed mid-run, a rerun.
 
-One test on purpose (each Ray start costs ~20 s on 2 cores): it covers Ray Train's FailureConfig
-recovery from the last checkpoint, resume on rerun, the HF export and that training lowered the loss.
+Few tests on purpose (each Ray start costs ~20 s on 2 cores): the first covers Ray Train's FailureConfig
+recovery from the last checkpoint, resume on rerun, the HF export and that training lowered the loss; the
+second (one worker, one step) that `finetune run` shows the truncation warning.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import yaml
 from finetune_training import checkpoint as ckpt
 from finetune_training.cli import prepare_document, run_local
 
-from .conftest import job_doc, prompt_completion_records, write_jsonl
+from .conftest import job_doc, prompt_completion_records, records_with_long_prompts, write_jsonl
 
 
 def mean_loss(model_dir: Path, data: Any) -> float:
@@ -64,3 +65,22 @@ def test_local_run_survives_a_worker_crash_and_resumes_on_rerun(
     assert run_local(job, storage, out=out2) == 0, out2.getvalue()
     assert "resuming from step 6" in out2.getvalue()
     assert ckpt.read_state(ckpt.latest(run_dir)[1])["resumed_from"] == [4]  # no new checkpoint written
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_finetune_run_shows_the_truncation_warning(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """8 of the 36 training records lose every trained token at sequenceLength 24 (unpacked): the warning
+    reaches `finetune run`'s own output (the workers' stdout does not, without --verbose)."""
+    data_file = write_jsonl(tmp_path / "data.jsonl", records_with_long_prompts(40, long=10))
+    doc = job_doc(tiny_model_dir, data_file, tmp_path / "store", sequenceLength=24, packing=False, maxSteps=1,
+                  globalBatchSize=1, microBatchSize=1, evalIntervalSteps=1)
+    doc["spec"]["cluster"]["workers"]["replicas"] = 1
+    job_file = tmp_path / "job.yaml"
+    job_file.write_text(yaml.safe_dump(doc))
+    job, storage = prepare_document(str(job_file))
+    out = io.StringIO()
+    assert run_local(job, storage, out=out) == 0, out.getvalue()
+    warning = ("WARNING: data: 8 of 36 training records (22.2%) have no trained token left after truncation to "
+               "sequenceLength 24, more than 2% (raise training.sequenceLength or enable training.packing)")
+    assert [line for line in out.getvalue().splitlines() if "no trained token" in line] == [warning], out.getvalue()

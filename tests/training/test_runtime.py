@@ -1,5 +1,5 @@
 """One rank (gloo) through the runtime's own code: precision rules and fp32 master weights, the chunked
-loss, the non-finite stop, the export's generation config, and the resume choice."""
+loss, the non-finite stop, the truncation warning, the export's generation config, and the resume choice."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from finetune_training import checkpoint as ckpt
 from finetune_training import modelio, optim
 from finetune_training.parallel import apply_fsdp, build_mesh
 
-from .conftest import job_doc, prompt_completion_records, write_jsonl
+from .conftest import job_doc, prompt_completion_records, records_with_long_prompts, write_jsonl
 
 # ------------------------------------------------------------------------------------------ precision
 
@@ -129,6 +129,55 @@ def test_non_finite_loss_stops_the_job_before_any_checkpoint_or_export(process_g
     assert trainer.step == 0 and reports == []
     assert not (tmp_path / "store" / "final").exists()
     assert ckpt.latest(tmp_path / "store" / "checkpoints" / "train") is None
+
+
+# ------------------------------------------------------------------------------------ truncation warning
+
+
+def test_setup_warns_when_truncation_leaves_records_untrained(process_group: None, tiny_model_dir: Path,
+                                                             tmp_path: Path, capfd: pytest.CaptureFixture[str],
+                                                             caplog: pytest.LogCaptureFixture) -> None:
+    """Trainer.setup tells it on every channel: rank 0's stdout (the job log), the log, and a progress
+    message (what `finetune run` prints); with a long enough sequenceLength it says nothing."""
+    import logging
+
+    import torch
+    from finetune_operator.api.status import ProgressReport
+    from finetune_training.environment import RuntimeEnv
+    from finetune_training.loop import LoopConfig, Trainer
+
+    data = write_jsonl(tmp_path / "d.jsonl", records_with_long_prompts(40, long=10))
+    for seq_len, warns in ((24, True), (64, False)):
+        doc = job_doc(tiny_model_dir, data, tmp_path / "store", sequenceLength=seq_len, packing=False,
+                      globalBatchSize=2, microBatchSize=1, maxSteps=1)
+        doc["spec"]["cluster"]["workers"]["replicas"] = 1
+        job = FinetuneJob.model_validate(doc)
+        cfg = LoopConfig(job=doc, storage=str(tmp_path / "store"), storage_uri=str(tmp_path / "store"),
+                         run_name="train")
+        trainer = Trainer(job, cfg, rank=0, world=1, local_rank=0, local_world=1, device=torch.device("cpu"),
+                          env=RuntimeEnv())
+        reports: list[ProgressReport] = []
+        trainer.progress.publish = reports.append  # type: ignore[method-assign]
+        capfd.readouterr()
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="finetune.train"):
+            trainer.setup()
+        trainer.close()
+        stdout = capfd.readouterr().out
+        messages = [r.message for r in reports if r.message]
+        warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+        if warns:
+            text = (f"WARNING: data: 8 of 36 training records (22.2%) have no trained token left after truncation "
+                    f"to sequenceLength {seq_len}, more than 2% (raise training.sequenceLength or enable "
+                    f"training.packing)")
+            lines = stdout.splitlines()
+            data_line = next(i for i, line in enumerate(lines) if " data: {" in line)
+            assert lines[data_line + 1] == f"{RuntimeEnv().log_prefix()} {text}", stdout  # right after data:
+            assert messages == [text] and reports[0].phase == "Starting", reports
+            assert warnings == [text.removeprefix("WARNING: ")], warnings
+        else:
+            assert "'train_records_truncated_away': 0" in stdout, stdout
+            assert "no trained token" not in stdout and messages == [] and warnings == [], (stdout, messages)
 
 
 # -------------------------------------------------------------------------------------------- export

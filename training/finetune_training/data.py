@@ -17,7 +17,7 @@ start), from which transformers builds a block-diagonal causal mask (SDPA/eager)
 flash-attention kernel: a record never attends to another one. The first label of every record is
 ignored (it would be predicted from the previous record). Without packing each record is
 truncated/padded to `sequenceLength` with an attention mask; records left with no trained token by the
-truncation are counted (`stats`) so the loop can warn about them.
+truncation are counted (`stats`); `truncation_notice` says what the loop tells about them.
 
 Every rank builds the same data deterministically (shuffle with spec.training.seed), so no data is
 broadcast; the global step alone says where in the data a run is (see `batch_indices`).
@@ -26,6 +26,7 @@ broadcast; the global step alone says where in the data a run is (see `batch_ind
 from __future__ import annotations
 
 import json
+import logging
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,6 +36,7 @@ from finetune_operator.api.spec import DatasetFormat, DatasetSpec
 from finetune_operator.api.storage import is_remote, resolve_in_pod
 
 IGNORE = -100
+TRUNCATION_WARN_FRACTION = 0.02  # warn when more than this share of records lost every trained token
 FILE_SUFFIXES = (".jsonl", ".json", ".parquet")
 FALLBACK_CHAT_TEMPLATE = (  # newlines as expressions: transformers renders with trim_blocks
     "{% for m in messages %}{{ '<|' + m['role'] + '|>\\n' + m['content'] }}"
@@ -286,6 +288,26 @@ def untrained_after_truncation(examples: list[Example], seq_len: int) -> int:
         return any(lab != IGNORE for lab in labels[1:])  # label 0 is never predicted
 
     return sum(1 for ex in examples if trained(ex.labels) and not trained(ex.labels[:seq_len]))
+
+
+def truncation_notice(stats: dict[str, int], seq_len: int) -> tuple[int, str] | None:
+    """What to tell about records truncation left without a trained token: None when there are none
+    (or the data was packed, which truncates nothing), else a `logging` level and the text.
+
+    WARNING when their share of the training records exceeds `TRUNCATION_WARN_FRACTION` (they cost a
+    forward/backward pass and train nothing; the text names the fix), INFO (the count alone) otherwise.
+    """
+    lost = stats.get("train_records_truncated_away", 0)
+    if not lost:
+        return None
+    total = stats.get("train_records", 0)
+    share = lost / max(1, total)
+    text = (f"data: {lost} of {total} training records ({share:.1%}) have no trained token left after "
+            f"truncation to sequenceLength {seq_len}")
+    if share > TRUNCATION_WARN_FRACTION:
+        return logging.WARNING, (f"WARNING: {text}, more than {TRUNCATION_WARN_FRACTION:.0%} "
+                                 f"(raise training.sequenceLength or enable training.packing)")
+    return logging.INFO, text
 
 
 def split_records(records: list[dict[str, Any]], eval_fraction: float, seed: int,

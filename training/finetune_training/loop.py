@@ -24,7 +24,7 @@ from finetune_operator.api.status import NetworkHealth, ProgressReport, Training
 from finetune_operator.instance_types import lookup
 
 from . import checkpoint as ckpt
-from .data import IGNORE, PreparedData, prepare, step_sequences, steps_per_epoch
+from .data import IGNORE, PreparedData, prepare, step_sequences, steps_per_epoch, truncation_notice
 from .environment import RuntimeEnv
 from .loss import loss_sum, shift_targets
 from .metrics import Throughput, mfu, model_shape, peak_memory_gib
@@ -32,7 +32,6 @@ from .progress import ProgressClient
 
 log = logging.getLogger("finetune.train")
 EVAL_MAX_BATCHES = int(os.environ.get("FINETUNE_EVAL_MAX_BATCHES", "50"))
-TRUNCATION_WARN_FRACTION = 0.02  # warn when more than this share of records lost every trained token
 
 
 class NonFiniteError(RuntimeError):
@@ -151,16 +150,14 @@ class Trainer:
         self.data: PreparedData = prepare(self.spec.dataset, self.tokenizer, t.sequence_length, t.packing,
                                           t.seed, cache)
         self.say(f"data: {self.data.stats}")
-        lost = self.data.stats.get("train_records_truncated_away", 0)
-        if lost:
-            share = lost / max(1, self.data.stats["train_records"])
-            msg = (f"data: {lost} of {self.data.stats['train_records']} training records ({share:.1%}) have no "
-                   f"trained token left after truncation to sequenceLength {t.sequence_length}")
-            if share > TRUNCATION_WARN_FRACTION:
-                log.warning(msg)
-                self.say(f"WARNING: {msg} (raise training.sequenceLength or enable training.packing)")
-            else:
-                self.say(msg)
+        notice = truncation_notice(self.data.stats, t.sequence_length)
+        if notice is not None:
+            level, text = notice
+            self.say(text)
+            if level >= logging.WARNING:
+                log.warning(text.removeprefix("WARNING: "))
+                # Also as a progress message: `finetune run` shows those, not the workers' stdout.
+                self.progress.publish(ProgressReport(phase="Starting", message=text))
         self.shape = model_shape(model)
         self.model_config = model.config
         self.flops_per_token = self.shape.flops_per_token(t.sequence_length)
