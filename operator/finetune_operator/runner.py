@@ -97,6 +97,7 @@ async def run(args: argparse.Namespace) -> int:
         render_cfg = dataclasses.replace(render_cfg, submitter_image=args.submitter_image)
     cache = Cache(kube)
     kube.on_written = cache.written  # a reconcile that follows its own write reads what it wrote
+    metrics.watch_cache(cache.sizes)
     reconciler = Reconciler(kube, render_cfg, runtime_files(), metrics,
                             cluster_config=ClusterConfig(kube, args.config_namespace), cache=cache)
     queue = WorkQueue(reconciler.reconcile, workers=args.workers)

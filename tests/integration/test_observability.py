@@ -63,3 +63,42 @@ def test_dashboard_and_alert_metrics_exist_after_a_job_ran(kube: Kube, namespace
     assert got[("finetune_job_last_progress_timestamp_seconds", job)] > 1.7e9
     assert got[("finetune_operator_leader", frozenset())] == 1.0
     assert got[("finetune_workqueue_depth", frozenset())] >= 0
+
+
+JOB_RESOURCES = ("finetunejobs", "rayjobs", "rayclusters", "pods", "nodes")
+
+
+def test_reconciles_of_a_settled_job_read_only_from_the_watch_cache(kube: Kube, namespace: str,
+                                                                     operator: OperatorProcess) -> None:
+    """The operator reads what its watches delivered (controller/cache.py): once a running job has settled,
+    its reconciles (the fixture resyncs every 15 s) send no GET or LIST of the job's objects or the nodes
+    to the API server. The operator's own request counter on /metrics says so: reconciles go up, reads of
+    those resources do not. (Without the cache every reconcile sent ~7.)"""
+    create(kube, namespace, ftj("cached"))
+    wait_for("Running", lambda: phase_is(kube, namespace, "cached", "Running"), timeout=120)
+
+    def figures() -> tuple[float, float]:
+        s = samples(operator.metrics())
+        reads = sum(v for (n, labels), v in s.items()
+                    if n == "finetune_api_reads_total" and dict(labels).get("resource") in JOB_RESOURCES)
+        return s[("finetune_reconcile_total", frozenset({("result", "ok")}))], reads
+
+    got = samples(operator.metrics())
+    for resource in ("finetunejobs", "rayjobs", "rayclusters", "pods", "configmaps", "nodes"):
+        assert got[("finetune_cache_objects", frozenset({("resource", resource)}))] >= 1, resource
+    assert figures()[1] > 0  # the counter counts: the first reconciles primed the cache with live reads
+    # Settled: no such read for 5 s (pods becoming ready, KubeRay's last status updates).
+    last = [figures()[1], 0.0]
+
+    def quiet() -> bool:
+        now = figures()[1]
+        if now != last[0]:
+            last[:] = [now, 0.0]
+            return False
+        last[1] += 1
+        return last[1] >= 5
+
+    wait_for("no reads of the job's objects for 5 s", quiet, timeout=90, interval=1.0)
+    reconciles, reads = figures()
+    wait_for("two more reconciles (resync)", lambda: figures()[0] >= reconciles + 2, timeout=60)
+    assert figures()[1] == reads, "a reconcile of the settled job read from the API server instead of the cache"

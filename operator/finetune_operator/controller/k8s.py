@@ -103,6 +103,7 @@ class Kube:
         self.api = api
         self.timeout = timeout
         self.writes: Counter[str] = Counter()
+        self.reads: Counter[str] = Counter()  # "get pods", "list nodes", ...: what the read cache spares
         self._lock = threading.Lock()
         # Fencing (leader.py): every write but the Lease's own asks this first; None: always allowed.
         self.may_write: Callable[[], bool] | None = None
@@ -143,7 +144,12 @@ class Kube:
             self.on_written(out)
         return out
 
+    def _read(self, verb: str, gvr: tuple[str, str, str]) -> None:
+        with self._lock:
+            self.reads[f"{verb} {gvr[2]}"] += 1
+
     def get(self, gvr: tuple[str, str, str], namespace: str | None, name: str) -> Obj | None:
+        self._read("get", gvr)
         try:
             return self.request("GET", _path(gvr, namespace, name))
         except ApiError as err:
@@ -157,6 +163,7 @@ class Kube:
     def list_with_version(self, gvr: tuple[str, str, str], namespace: str | None = None,
                           selector: str | None = None) -> tuple[list[Obj], str]:
         """The items and the list's resourceVersion (the point in time the list shows)."""
+        self._read("list", gvr)
         query = {"labelSelector": selector} if selector else None
         out = self.request("GET", _path(gvr, namespace), query=query)
         kind = str(out.get("kind") or "").removesuffix("List")

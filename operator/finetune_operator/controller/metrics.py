@@ -36,6 +36,10 @@ class Metrics:
         )
         self.reconcile_errors = Counter("finetune_reconcile_errors_total", "Reconciles that raised.", ["kind"], registry=r)
         self.api_writes = Counter("finetune_api_writes_total", "Writes to the API server.", ["verb", "kind"], registry=r)
+        self.api_reads = Counter("finetune_api_reads_total", "GETs and LISTs sent to the API server (watches aside).",
+                                 ["verb", "resource"], registry=r)
+        self.cache_objects = Gauge("finetune_cache_objects", "Objects in the operator's read cache, by resource.",
+                                   ["resource"], registry=r)
         self.jobs = Gauge("finetune_jobs", "FinetuneJobs by phase.", ["phase"], registry=r)
         for p in Phase:
             self.jobs.labels(p.value).set(0)
@@ -136,6 +140,14 @@ class Metrics:
         if old is not None and old != transport:
             self.transport.remove(*key, old)
         self.transport.labels(*key, transport).set(1.0)
+
+    def watch_cache(self, sizes: Callable[[], dict[str, int]]) -> None:
+        """Serve the read cache's sizes (controller/cache.py), read at scrape time."""
+        def size_of(resource: str) -> Callable[[], float]:
+            return lambda: float(sizes().get(resource, 0))
+
+        for resource in sizes():
+            self.cache_objects.labels(resource).set_function(size_of(resource))
 
     def forget(self, namespace: str, name: str) -> None:
         key = (namespace, name)
