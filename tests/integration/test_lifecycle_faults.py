@@ -3,8 +3,8 @@ restarted mid-run (each a real process stopped and started again with its own co
 operator SIGKILLed again and again while jobs are created.
 
 Afterwards every job has exactly one RayJob (the one recorded in status.rayJobUID), the right phase, and
-the progress flushed before the fault is still there. Loop counts are scaled to a small shared machine
-(FINETUNE_FAULT_JOBS, FINETUNE_FAULT_KILLS; the issue's 50 jobs / 20 kills run the same code).
+the progress flushed before the fault is still there. The kill loop runs at the issue's scale: 50 jobs
+created while the operator is SIGKILLed 20 times (FINETUNE_FAULT_JOBS, FINETUNE_FAULT_KILLS change it).
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ from tests.integration.test_operator import LEASE_NS, _token, create, ftj, rayjo
 
 namespace = test_lifecycle.namespace  # the fixture: emptied of its jobs' pods before it is deleted
 
-JOBS = int(os.environ.get("FINETUNE_FAULT_JOBS", "8"))
-KILLS = int(os.environ.get("FINETUNE_FAULT_KILLS", "6"))
+JOBS = int(os.environ.get("FINETUNE_FAULT_JOBS", "50"))
+KILLS = int(os.environ.get("FINETUNE_FAULT_KILLS", "20"))
 
 
 @pytest.fixture(scope="module")
