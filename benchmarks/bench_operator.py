@@ -258,6 +258,19 @@ def main() -> int:
     for t in threads:
         t.start()
     time.sleep(2)
+    assert op.proc is not None
+    rss_idle = rss_mib(op.proc.pid)
+    rss_peak = [rss_idle]
+
+    def sample_rss() -> None:
+        while not stop.is_set() and op.proc is not None:
+            try:
+                rss_peak[0] = max(rss_peak[0], rss_mib(op.proc.pid))
+            except OSError:
+                pass
+            time.sleep(0.5)
+
+    threading.Thread(target=sample_rss, daemon=True).start()
     created: dict[str, float] = {}
     created_wall: dict[str, float] = {}
     doc = example("qwen2.5-1.5b-g6-efa.yaml")
@@ -295,7 +308,8 @@ def main() -> int:
         print(f"\nsettled: no operator writes for {args.settle:.0f}s (after {time.monotonic() - settle_start:.0f}s)")
         settled = time.time()
         assert op.proc is not None
-        print(f"operator RSS with {args.jobs} jobs: {rss_mib(op.proc.pid):.0f} MiB")
+        print(f"operator RSS with {args.jobs} jobs: {rss_mib(op.proc.pid):.0f} MiB (before the first job: "
+              f"{rss_idle:.0f} MiB; highest while they were created and settled: {rss_peak[0]:.0f} MiB)")
         per_res = etcd_bytes(f"http://127.0.0.1:{cluster._state()['ports']['etcd']}", ns)
         ours_res = ("finetune.dev/finetunejobs", "ray.io/rayjobs", "configmaps", "events")
         print(f"etcd bytes per job: {sum(per_res.values()) / args.jobs:.0f} in all, "

@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from finetune_operator.controller.cache import Cache, Store
-from finetune_operator.controller.k8s import CONFIGMAPS, FTJ, NODES, PODS, RAYJOB
+from finetune_operator.controller.k8s import CONFIGMAPS, FTJ, NODES, PODS, RAYCLUSTER, RAYJOB
 
 Obj = dict[str, Any]
 
@@ -104,20 +104,29 @@ def test_a_miss_is_confirmed_live_and_a_hit_is_not() -> None:
     assert len(live.calls) == 2
 
 
-def test_the_first_list_primes_and_later_lists_come_from_the_watch() -> None:
+def test_the_first_list_in_a_namespace_primes_it_and_later_lists_come_from_the_watch() -> None:
     live = LiveReads()
     cache = Cache(live)  # type: ignore[arg-type]
     cache.observe(PODS, obj("Pod", "stale", 3))  # a pod the watch saw, gone by the time of the list
-    live.objects[("pods", "ns", "head")] = obj("Pod", "head", 4)
+    live.objects[("pods", "ns", "head")] = obj("Pod", "head", 4, labels={"finetune.dev/job": "a"})
     live.list_rv = "5"
-    cache.observe(PODS, obj("Pod", "newer", 6))  # created after the list was taken: must survive it
-    names = sorted(p["metadata"]["name"] for p in cache.list_objects(PODS, "ns", None))
+    cache.observe(PODS, obj("Pod", "newer", 6, labels={"finetune.dev/job": "a"}))  # after the list: must survive it
+    names = sorted(p["metadata"]["name"] for p in cache.list_objects(PODS, "ns", "finetune.dev/job=a"))
     assert names == ["head", "newer"]
-    assert live.calls == ["list pods None"]
-    cache.observe(PODS, obj("Pod", "worker", 7))
-    cache.observe(PODS, obj("Pod", "head", 8), deleted=True)
-    assert sorted(p["metadata"]["name"] for p in cache.list_objects(PODS, "ns", None)) == ["newer", "worker"]
-    assert live.calls == ["list pods None"]
-    cache.forget_selector(PODS, "ns", None)
-    cache.list_objects(PODS, "ns", None)
-    assert live.calls == ["list pods None", "list pods None"]
+    assert live.calls == ["list pods finetune.dev/job"]  # the whole namespace, with the watch's selector
+    cache.observe(PODS, obj("Pod", "worker", 7, labels={"finetune.dev/job": "b"}))
+    cache.observe(PODS, obj("Pod", "head", 8, labels={"finetune.dev/job": "a"}), deleted=True)
+    assert [p["metadata"]["name"] for p in cache.list_objects(PODS, "ns", "finetune.dev/job=a")] == ["newer"]
+    assert [p["metadata"]["name"] for p in cache.list_objects(PODS, "ns", "finetune.dev/job=b")] == ["worker"]
+    assert live.calls == ["list pods finetune.dev/job"]
+    cache.list_objects(PODS, "other", "finetune.dev/job=c")  # another namespace is primed on its own
+    assert live.calls == ["list pods finetune.dev/job", "list pods finetune.dev/job"]
+
+
+def test_what_is_only_observed_is_looked_up_without_a_live_get() -> None:
+    live = LiveReads()
+    cache = Cache(live)  # type: ignore[arg-type]
+    assert cache.lookup(RAYCLUSTER, "ns", "rc-1") is None  # not seen yet: waited for, its watch event follows
+    cache.observe(RAYCLUSTER, obj("RayCluster", "rc-1", 3))
+    assert cache.lookup(RAYCLUSTER, "ns", "rc-1") is not None
+    assert live.calls == ["list rayclusters finetune.dev/job"]

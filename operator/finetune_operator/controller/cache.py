@@ -13,7 +13,8 @@ How it stays right:
   to a write that was in flight) does not bring the object back.
 - Nothing is assumed from absence before the store has seen it: a by-name read that misses is confirmed
   with a live GET (a recorded RayJob is never called lost on the cache's word), and the first list of a
-  (resource, namespace, selector) after start is a live LIST that primes it; later lists come from here.
+  resource in a namespace after start is a live LIST (with the watch's selector) that primes it; later
+  lists, and by-name reads of what the reconciler only observes (RayClusters), come from here.
 - Objects are kept slim: only what the reconciler reads (no managedFields, no pod specs, no Ray cluster
   spec), so a thousand jobs cost megabytes, not hundreds of them.
 """
@@ -250,23 +251,30 @@ class Cache:
             return store.get(namespace, name) or obj
         return obj
 
-    def list_objects(self, gvr: Gvr, namespace: str | None, selector: str | None) -> list[Obj]:
-        store = self.stores.get(gvr)
-        if store is None:
-            return self.kube.list_objects(gvr, namespace, selector)
-        key = (gvr, namespace, selector)
+    def _prime(self, gvr: Gvr, namespace: str | None) -> Store:
+        """The first read of a resource in a namespace (None: cluster-wide or cluster-scoped) after start is
+        a live LIST with the watch's selector: from then on the watch keeps the store complete there."""
+        store = self.stores[gvr]
+        scope = WATCH_SELECTORS.get(gvr)
+        key = (gvr, namespace, scope)
         if key not in self._primed:
             with self._lock:
                 self.live_reads += 1
-            store.replace(namespace, selector, *self.kube.list_with_version(gvr, namespace, selector))
+            store.replace(namespace, scope, *self.kube.list_with_version(gvr, namespace, scope))
             with self._lock:
                 self._primed.add(key)
-        return store.select(namespace, selector)
+        return store
 
-    def forget_selector(self, gvr: Gvr, namespace: str | None, selector: str | None) -> None:
-        """The next list of it is live again (a job deleted: its per-job selector is not kept primed)."""
-        with self._lock:
-            self._primed.discard((gvr, namespace, selector))
+    def list_objects(self, gvr: Gvr, namespace: str | None, selector: str | None) -> list[Obj]:
+        """Objects of `namespace` matching `selector` (which narrows the watch's own selector)."""
+        if gvr not in self.stores:
+            return self.kube.list_objects(gvr, namespace, selector)
+        return self._prime(gvr, namespace).select(namespace, selector)
+
+    def lookup(self, gvr: Gvr, namespace: str, name: str) -> Obj | None:
+        """By name, from the primed store only: for objects whose absence the reconciler never acts on (a
+        RayCluster not seen yet is waited for; its watch event queues the job again)."""
+        return self._prime(gvr, namespace).get(namespace, name)
 
     def sizes(self) -> dict[str, int]:
         return {gvr[2]: len(store) for gvr, store in self.stores.items()}

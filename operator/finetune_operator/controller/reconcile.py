@@ -203,8 +203,6 @@ class Reconciler:
         self.uids.pop((namespace, name), None)
         self._stall_checks.pop((namespace, name), None)
         self.ray_clusters.pop((namespace, name), None)
-        if self.cache is not None:
-            self.cache.forget_selector(PODS, namespace, f"{JOB_LABEL}={name}")
         for uid in self._rayjob_uids.pop((namespace, name), set()):
             self.final_rayjob_status.pop(uid, None)
         self.metrics.forget(namespace, name)
@@ -308,7 +306,9 @@ class Reconciler:
             cluster_name = (observed.rayjob.get("status") or {}).get("rayClusterName")
             observed.pods = pods_of(self._list(PODS, namespace, f"{JOB_LABEL}={name}"), observed.rayjob)
             if cluster_name and prev.get("phase") not in TERMINAL:
-                rc = self._get(RAYCLUSTER, namespace, cluster_name)
+                # Observed only (never created or judged lost): from the cache; not seen yet -> waited for.
+                rc = (self.cache.lookup(RAYCLUSTER, namespace, cluster_name) if self.cache
+                      else self.kube.get(RAYCLUSTER, namespace, cluster_name))
                 if owned_by(rc, observed.rayjob["metadata"].get("uid") or ""):
                     observed.raycluster = rc
             if prev.get("phase") not in TERMINAL and prev.get("phase") != Phase.running.value:
@@ -442,7 +442,8 @@ class Reconciler:
         for obj in [o for o in desired if is_shared(o)]:
             key = (ns, obj["metadata"]["name"], uid)
             if key not in self._shared_owned:  # once per job and process: it only ever gains owners
-                ensure_shared(self.kube, obj)
+                known = any(k[:2] == key[:2] for k in self._shared_owned)
+                ensure_shared(self.kube, obj, exists=known)
                 self._shared_owned.add(key)
         desired = [o for o in desired if not is_shared(o)]
         # The RayJob observed above is the one judged: a second GET could see it gone and lead to its
@@ -484,12 +485,10 @@ class Reconciler:
                         observed.blocked = ("ChildRejected", f"{action.obj['kind']} {name} rejected by the API server: {err.message}"[:1000])
                         return
                     raise
-            created = current[name]
-            if name == names["rayJob"] and not recorded and created is not None:
-                # Record the RayJob's UID at once: from now on, if it disappears, it is never re-created.
-                recorded = created["metadata"]["uid"]
-                self.kube.patch_status(ns, job.metadata.name, {"rayJobUID": recorded}, uid=uid or None, has_status=bool(prev))
-                prev["rayJobUID"] = recorded
+        # The RayJob's UID is recorded by this reconcile's status write (derive_status copies it from the
+        # RayJob observed here, in the same reconcile as its creation): from then on, if it disappears, it
+        # is never re-created. A failure before that write leaves an unrecorded RayJob this job owns, which
+        # the next reconcile adopts.
         observed.rayjob = current.get(names["rayJob"])
 
     def _lost(self, ns: str, name: str, names: dict[str, str], recorded: str, observed: Observed) -> None:

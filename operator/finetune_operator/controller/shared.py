@@ -8,7 +8,6 @@ so nothing is ever re-applied under running trainers.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 from .k8s import ApiError, Kube, gvr_of
@@ -16,12 +15,21 @@ from .k8s import ApiError, Kube, gvr_of
 Obj = dict[str, Any]
 
 
-def ensure_shared(kube: Kube, obj: Obj, get: Callable[[Any, str | None, str], Obj | None] | None = None) -> Obj:
+def ensure_shared(kube: Kube, obj: Obj, exists: bool = False) -> Obj:
     """Create `obj` if absent; otherwise add its ownerReferences to the existing one. Returns the object.
-    `get` reads the current object (default: a GET)."""
+
+    `exists`: this process has seen it (another job's owner was added): the owner is added with one
+    patch, without reading it first; if it was collected meanwhile (404), it is created."""
     meta = obj["metadata"]
     ns, name, gvr = meta.get("namespace"), meta["name"], gvr_of(obj)
-    current = (get or kube.get)(gvr, ns, name)
+    if exists:
+        try:
+            return kube.patch(gvr, ns or "default", name, {"metadata": {"ownerReferences": meta.get("ownerReferences") or []}},
+                              obj["kind"], content_type="application/strategic-merge-patch+json")
+        except ApiError as err:
+            if err.status != 404:
+                raise
+    current = kube.get(gvr, ns, name)
     if current is None:
         try:
             return kube.create(gvr, ns, obj, obj["kind"])
