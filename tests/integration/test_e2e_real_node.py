@@ -356,7 +356,7 @@ def test_a_rolling_update_of_the_operator_mid_training_keeps_the_job_reporting(r
     reaches its status during the rollout and, once the old pods are gone, through the new leader, until
     it ends Succeeded with every step. tests/integration/test_lifecycle.py covers the Lease handover itself."""
     demo.prepare_claim(real.cluster, ns)
-    name, total = "local-upgrade", 300  # ~0.3-0.75 s a step: the rollout takes 15-25 s
+    name, total = "local-upgrade", 400  # 0.24-0.75 s a step; the rollout took 15-30 s (~130 steps)
     api = config.new_client_from_config(config_file=str(real.kubeconfig))  # the sampler thread's own client
     apps, leases, custom = client.AppsV1Api(api), client.CoordinationV1Api(api), client.CustomObjectsApi(api)
     core = client.CoreV1Api(api)
