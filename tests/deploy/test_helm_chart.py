@@ -224,20 +224,19 @@ def test_bad_values_are_rejected_with_the_field_named(helm: Path, args: list[str
 
 def test_dev_cluster_values_make_the_chart_what_the_demo_makes_of_deploy(helm: Path, tmp_path: Path) -> None:
     # The real-node e2e test installs the chart with demo.chart_values; `make demo-cluster` applies deploy/
-    # adapted by demo.adapt_deploy. Same objects, except what is on purpose: the chart's Recreate strategy
-    # (one node, the host's network: a surged pod could never bind the port) and the order of the args.
+    # adapted by demo.adapt_deploy. Same objects (both keep production's replicas, RollingUpdate and pod
+    # network), except the order of the args.
     from finetune_operator.devcluster import demo
 
-    server, port = "https://127.0.0.1:6443", 31234
     values = tmp_path / "values.yaml"
-    values.write_text(yaml.safe_dump(demo.chart_values(server, port)))
-    kust = demo.adapt_deploy(_kustomize("deploy"), server, port)
+    values.write_text(yaml.safe_dump(demo.chart_values()))
+    kust = demo.adapt_deploy(_kustomize("deploy"))
     want = {_key(o): _normal(o) for o in kust if o["kind"] != "Namespace"}
     got = {_key(o): _normal(o) for o in docs(template(helm, "-f", str(values))) if o["kind"] != "CustomResourceDefinition"}
     assert sorted(got) == sorted(want)
     dep = ("Deployment", NS, "finetune-operator")
-    assert got[dep]["spec"].pop("strategy") == {"type": "Recreate"}
-    assert want[dep]["spec"].pop("strategy")["type"] == "RollingUpdate"
+    assert got[dep]["spec"]["strategy"] == {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}}
+    assert got[dep]["spec"]["replicas"] == 2
     for objs in (got, want):
         c = objs[dep]["spec"]["template"]["spec"]["containers"][0]
         c["args"] = sorted(c["args"])

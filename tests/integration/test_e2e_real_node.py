@@ -5,8 +5,10 @@ runc, kubelet) -> KubeRay's submitter -> ``python3 -m finetune_training`` -> Ray
 
 Nothing is simulated on this path: the images are built on this machine (the Ray image carries the Ray
 Train DLC's Python stack; the operator image is ``Dockerfile.operator`` built by buildah), the operator runs
-in the cluster as a pod installed by real helm from the chart in ``deploy/helm`` (RBAC, admission policies,
-Service; values ``demo.chart_values``; ``make demo-cluster`` installs the same objects with kustomize from
+in the cluster as production runs it, installed by real helm from the chart in ``deploy/helm`` with its
+defaults (two replicas on the pod network, one leading by Lease; RollingUpdate; in-cluster config through the
+``kubernetes`` Service; RBAC, admission policies, Service; values ``demo.chart_values`` set only the local
+images and the node; ``make demo-cluster`` installs the same objects with kustomize from
 ``deploy/``, and tests/deploy/test_helm_chart.py proves chart and kustomize render the same), the training code
 reaches the Ray pods through the runtime ConfigMap, the model and data through the ``pvc://`` claim, and
 progress through the projected-token channel and the operator's Service. The steps are the ones
@@ -19,7 +21,9 @@ from __future__ import annotations
 
 import math
 import re
+import threading
 import time
+import urllib.request
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -326,45 +330,113 @@ def operator_pods(real: E2E) -> list[Any]:
             if not p.metadata.deletion_timestamp]
 
 
+@dataclass
+class RolloutSample:
+    step: int  # the FinetuneJob's status.training.step
+    pods: frozenset[str]  # the operator's pods not terminating
+    available: int  # the Deployment's status.availableReplicas
+    holder: str  # the Lease's holderIdentity (the pod name)
+
+
+def metric(text: str, series: str, **labels: str) -> float | None:
+    """The value of one series in a Prometheus text exposition, None if absent."""
+    for line in text.splitlines():
+        if line.startswith(series + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
+            return float(line.rsplit(" ", 1)[1])
+    return None
+
+
 @pytest.mark.timeout(2400)
-def test_a_helm_upgrade_of_the_operator_mid_training_leaves_the_job_running(real: E2E, ns: str, helm: Path) -> None:
-    """`helm upgrade` of the operator while a job trains (issues 9.5 and 13): the operator pod is replaced,
-    the new one takes the Lease and the Service's leader label, picks the job up, and the job's progress goes
-    on reaching the status through the new pod until it ends Succeeded with every step. On this one-node
-    cluster the chart's values use `strategy: Recreate` (host network: a surged pod could not bind the port),
-    so the operator is absent for a few seconds; the training's reports meanwhile fail and are superseded by
-    the next ones (each is a snapshot). Production's RollingUpdate (maxSurge 1, maxUnavailable 0) keeps a
-    Ready replica throughout; tests/integration/test_lifecycle.py covers the Lease handover between replicas."""
+def test_a_rolling_update_of_the_operator_mid_training_keeps_the_job_reporting(real: E2E, ns: str, helm: Path) -> None:
+    """`helm upgrade` of the operator while a job trains (issues 9.5 and 13), with production's Deployment as
+    the chart makes it by default: two replicas on the pod network (one leads by Lease and carries the
+    Service's leader label, the other stands by, Ready), in-cluster config through the `kubernetes` Service,
+    and the RollingUpdate strategy (maxSurge 1, maxUnavailable 0). The update surges a third pod and never
+    has fewer than two available, `kubectl rollout status` succeeds, a new pod leads; the job's progress
+    reaches its status during the rollout and, once the old pods are gone, through the new leader, until
+    it ends Succeeded with every step. tests/integration/test_lifecycle.py covers the Lease handover itself."""
     demo.prepare_claim(real.cluster, ns)
-    name, total = "local-upgrade", 120
+    name, total = "local-upgrade", 400  # 0.24-0.75 s a step; the rollout took 15-30 s (~130 steps)
+    api = config.new_client_from_config(config_file=str(real.kubeconfig))  # the sampler thread's own client
+    apps, leases, custom = client.AppsV1Api(api), client.CoordinationV1Api(api), client.CustomObjectsApi(api)
+    core = client.CoreV1Api(api)
 
     def step() -> int:
         return int((ftj_status(real, ns, name).get("training") or {}).get("step") or 0)
 
     apply_variant(real, ns, name, total)
     wait_for("training under way", lambda: step() >= 3, timeout=1200, interval=1)
-    (before,) = operator_pods(real)
-    step_before = step()
-    t0 = time.monotonic()
-    demo.install_operator(real.cluster, helm=helm)  # another port in the values: a new pod template
-    real.timings["helm upgrade -> new operator leading"] = time.monotonic() - t0
-    (after,) = operator_pods(real)
-    assert after.metadata.uid != before.metadata.uid, "helm upgrade did not replace the operator pod"
-    assert (after.metadata.labels or {}).get("finetune.dev/operator-leader") == "true"
-    assert ftj_status(real, ns, name).get("phase") == "Running"
-    step_at_upgrade = step()
-    print(f"helm upgrade: operator pod {before.metadata.name} -> {after.metadata.name}, step {step_before} -> "
-          f"{step_at_upgrade} meanwhile")
+    old = {p.metadata.name for p in operator_pods(real)}
+    assert len(old) == 2, old
+    assert demo.leader_pod(real.kubeconfig) in old
 
-    def done() -> bool:
-        st = ftj_status(real, ns, name)
-        return st.get("phase") == "Succeeded"
+    samples: list[RolloutSample] = []
+    done = threading.Event()
+
+    def sample() -> None:
+        while not done.is_set():
+            try:
+                ftj = custom.get_namespaced_custom_object(G, V, ns, P, name)
+                dep = apps.read_namespaced_deployment(demo.OPERATOR_NAME, demo.OPERATOR_NAMESPACE)
+                lease = leases.read_namespaced_lease("finetune-operator-leader", demo.OPERATOR_NAMESPACE)
+                pods = frozenset(p.metadata.name for p in core.list_namespaced_pod(
+                    demo.OPERATOR_NAMESPACE, label_selector="app.kubernetes.io/name=finetune-operator").items
+                    if not p.metadata.deletion_timestamp)
+            except Exception as e:  # a failed sample is retried; the assertions below judge
+                print(f"rollout sample failed: {e}")
+                done.wait(0.5)
+                continue
+            samples.append(RolloutSample(int(((ftj.get("status") or {}).get("training") or {}).get("step") or 0),
+                                         pods, dep.status.available_replicas or 0, lease.spec.holder_identity or ""))
+            done.wait(0.5)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    t0 = time.monotonic()
+    sampler.start()
+    try:  # a new pod template (an annotation); install_operator waits for `kubectl rollout status`
+        leader = demo.install_operator(real.cluster, helm=helm,
+                                       values={"podAnnotations": {"finetune.dev/upgrade": uuid.uuid4().hex[:8]}})
+    finally:
+        done.set()
+        sampler.join()
+    real.timings["helm upgrade -> rollout complete, a new pod leading"] = time.monotonic() - t0
+    new = {p.metadata.name for p in operator_pods(real)}
+    assert len(new) == 2 and not new & old, (old, new)
+    assert leader in new
+    pod = real.core.read_namespaced_pod(leader, demo.OPERATOR_NAMESPACE)
+    assert (pod.metadata.labels or {}).get("finetune.dev/operator-leader") == "true"
+    assert samples, "no sample taken during the rollout"
+    # Surged: a third pod came before an old one went; never fewer than two available.
+    assert max(len(s.pods) for s in samples) == 3, [sorted(s.pods) for s in samples]
+    assert min(s.available for s in samples) >= 2, [s.available for s in samples]
+    # The job kept reporting while the operator rolled.
+    assert samples[-1].step > samples[0].step, [s.step for s in samples]
+    holders = [h for i, h in enumerate(s.holder for s in samples) if i == 0 or h != samples[i - 1].holder]
+    print(f"rolling update in {time.monotonic() - t0:.0f}s, {len(samples)} samples: steps {samples[0].step} -> "
+          f"{samples[-1].step} ({len({s.step for s in samples})} distinct), at most {max(len(s.pods) for s in samples)} "
+          f"pods, at least {min(s.available for s in samples)} available, Lease holders {holders}, "
+          f"pods {sorted(old)} -> {sorted(new)}")
+
+    wait_for("the old operator pods gone", lambda: not old & {p.metadata.name for p in real.core.list_namespaced_pod(
+        demo.OPERATOR_NAMESPACE, label_selector="app.kubernetes.io/name=finetune-operator").items},
+        timeout=300, interval=1)
+    step_old_gone = step()
     try:
-        wait_for(f"{name} Succeeded", done, timeout=1200, interval=2)
+        wait_for(f"{name} Succeeded", lambda: ftj_status(real, ns, name).get("phase") == "Succeeded",
+                 timeout=1200, interval=2)
     except pytest.fail.Exception:
         print(diagnose(real, ns))
         raise
     st = ftj_status(real, ns, name)
-    # Every step reached the status, the later ones only through the new pod (the old one was gone).
+    # Every step reached the status; the ones after step_old_gone only through the new pods.
     assert st["step"] == f"{total}/{total}", st.get("step")
-    assert step_at_upgrade < total, f"the job had finished before the upgrade was done ({step_at_upgrade})"
+    assert step_old_gone < total, f"the job had finished before the old operator pods were gone ({step_old_gone})"
+    # The new leader itself received the last report (its own per-job series, fed by /v1/progress).
+    lease = leases.read_namespaced_lease("finetune-operator-leader", demo.OPERATOR_NAMESPACE)
+    assert lease.spec.holder_identity in new, (lease.spec.holder_identity, new)
+    ip = real.core.read_namespaced_pod(lease.spec.holder_identity, demo.OPERATOR_NAMESPACE).status.pod_ip
+    with urllib.request.urlopen(f"http://{ip}:8080/metrics", timeout=10) as r:
+        exposition = r.read().decode()
+    assert metric(exposition, "finetune_job_step", namespace=ns, name=name) == total
+    print(f"after the rollout: step {step_old_gone} when the old pods were gone -> {total}/{total} through "
+          f"{lease.spec.holder_identity}")

@@ -191,6 +191,25 @@ def test_service_clusterip_and_dns(real: RealCluster, ns: str) -> None:
     assert "pong-echo" in logs  # and HTTP through the ClusterIP reached the server pod
 
 
+def test_pods_reach_the_apiserver_through_the_kubernetes_service(real: RealCluster, ns: str) -> None:
+    """In-cluster config's path: KUBERNETES_SERVICE_HOST/PORT (the `kubernetes` Service, injected by kubelet)
+    -> kube-proxy -> the node's forwarder -> the apiserver on 127.0.0.1. Plain HTTP to it gets the answer
+    of a Go HTTPS server (the TLS itself is the operator's, in test_e2e_real_node.py)."""
+    logs = _run_pod(
+        real,
+        ns,
+        _pod(
+            "apiclient",
+            "echo host=$KUBERNETES_SERVICE_HOST:$KUBERNETES_SERVICE_PORT; nslookup kubernetes.default.svc.cluster.local; "
+            "for i in $(seq 30); do printf 'GET /healthz HTTP/1.0\\r\\n\\r\\n' "
+            "| nc -w 2 $KUBERNETES_SERVICE_HOST $KUBERNETES_SERVICE_PORT | grep 'HTTPS server' && exit 0; sleep 1; done; exit 1",
+        ),
+    )
+    service = real.core.read_namespaced_service("kubernetes", "default")
+    assert f"host={service.spec.cluster_ip}:443" in logs
+    assert "Client sent an HTTP request to an HTTPS server" in logs
+
+
 def test_simulated_devices_are_allocatable_and_allocated(real: RealCluster, ns: str) -> None:
     node = real.core.read_node(realnode.NODE_NAME)
     for resource, count in realnode.FAKE_RESOURCES.items():

@@ -115,3 +115,45 @@ def test_kubebuilder_assets_win_for_complete_components(tmp_path: Path, monkeypa
     assert bins["etcd"] == assets / "etcd"
     assert bins["kube-apiserver"].parent.name == f"kubernetes-{KUBERNETES_VERSION}"  # not mixed with cached ones
     assert set(build.missing()) == {"kubernetes", "kuberay", "kwok"}
+
+
+def test_tcp_forwarder_passes_bytes_both_ways_and_the_half_close(tmp_path: Path) -> None:
+    """devcluster/tcpforward.py (the real node's path from pods to the apiserver), run as the cluster runs it:
+    a process of its own, by path, between a client and a server on loopback."""
+    import socket
+    import sys
+    import threading
+
+    from finetune_operator.devcluster import tcpforward
+
+    server = socket.create_server(("127.0.0.1", 0))
+    target = server.getsockname()[1]
+
+    def echo_upper() -> None:  # answers after the client's EOF: only a passed-on half-close gets a reply
+        conn, _ = server.accept()
+        with conn:
+            data = b""
+            while chunk := conn.recv(65536):
+                data += chunk
+            conn.sendall(data.upper())
+
+    threading.Thread(target=echo_upper, daemon=True).start()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        listen = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, tcpforward.__file__, f"127.0.0.1:{listen}", f"127.0.0.1:{target}"],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and "forwarding" in proc.stdout.readline()
+        payload = b"x" * 300_000 + b"end"
+        with socket.create_connection(("127.0.0.1", listen), timeout=10) as c:
+            c.sendall(payload)
+            c.shutdown(socket.SHUT_WR)
+            got = b""
+            while chunk := c.recv(65536):
+                got += chunk
+        assert got == payload.upper()
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+        server.close()

@@ -13,7 +13,6 @@ from typing import Any
 import pytest
 import yaml
 from finetune_operator.devcluster import DevClusterError, demo
-from finetune_operator.devcluster import node as realnode
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -30,23 +29,23 @@ def find(docs: list[dict[str, Any]], kind: str, name: str) -> dict[str, Any]:
     return doc
 
 
-def test_operator_runs_the_local_image_on_the_real_node_with_the_host_network() -> None:
-    docs = demo.adapt_deploy(deploy_docs(), "https://127.0.0.1:40123", 45678)
-    dep = find(docs, "Deployment", "finetune-operator")
+def test_operator_runs_the_local_image_on_the_real_node_and_keeps_productions_shape() -> None:
+    before = find(deploy_docs(), "Deployment", "finetune-operator")
+    dep = find(demo.adapt_deploy(deploy_docs()), "Deployment", "finetune-operator")
     pod = dep["spec"]["template"]["spec"]
     (c,) = pod["containers"]
-    assert dep["spec"]["replicas"] == 1
-    assert pod["hostNetwork"] is True and pod["dnsPolicy"] == "ClusterFirstWithHostNet"
     assert pod["nodeSelector"] == {"finetune.dev/real-node": "true"}
     assert c["image"] == demo.LOCAL_OPERATOR_IMAGE and c["imagePullPolicy"] == "Never"
-    env = {e["name"]: e.get("value") for e in c["env"]}
-    assert env["KUBERNETES_SERVICE_HOST"] == "127.0.0.1" and env["KUBERNETES_SERVICE_PORT"] == "40123"
-    assert "POD_NAME" in env  # deploy/'s own env is kept
-    assert f"--listen={realnode.GATEWAY}" in c["args"] and "--port=45678" in c["args"]
-    assert f"--submitter-image={demo.LOCAL_RAY_IMAGE}" in c["args"]
-    # deploy/'s progress URL (the Service) stays: the Ray pods reach the operator as in production.
+    assert c["args"] == [*before["spec"]["template"]["spec"]["containers"][0]["args"],
+                         f"--submitter-image={demo.LOCAL_RAY_IMAGE}"]
+    # Production's replicas, surging update, pod network, in-cluster config (no apiserver address given),
+    # port and progress URL (the Service): the real node exercises them as they are.
+    assert dep["spec"]["replicas"] == before["spec"]["replicas"] == 2
+    assert dep["spec"]["strategy"] == {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}}
+    assert "hostNetwork" not in pod and "dnsPolicy" not in pod
+    assert c["env"] == before["spec"]["template"]["spec"]["containers"][0]["env"]
+    assert c["ports"] == [{"name": "http", "containerPort": 8080}]
     assert "--progress-url=http://finetune-operator.finetune-system.svc:8080" in c["args"]
-    assert c["ports"] == [{"name": "http", "containerPort": 45678}]
     # Production's hardening is kept.
     assert c["securityContext"]["readOnlyRootFilesystem"] is True
     assert pod["securityContext"]["runAsNonRoot"] is True
@@ -54,7 +53,7 @@ def test_operator_runs_the_local_image_on_the_real_node_with_the_host_network() 
 
 def test_policy_allows_the_local_ray_image_besides_the_dlc() -> None:
     original = find(deploy_docs(), "ConfigMap", "finetune-operator-policy")["data"]["allowedImages"]
-    docs = demo.adapt_deploy(deploy_docs(), "https://127.0.0.1:1", 2)
+    docs = demo.adapt_deploy(deploy_docs())
     allowed = find(docs, "ConfigMap", "finetune-operator-policy")["data"]["allowedImages"].split()
     assert allowed == [*original.split(), "localhost/finetune/ray:*"]
     example = yaml.safe_load(demo.EXAMPLE.read_text())
@@ -63,7 +62,7 @@ def test_policy_allows_the_local_ray_image_besides_the_dlc() -> None:
 
 def test_everything_else_in_deploy_is_unchanged() -> None:
     before = deploy_docs()
-    after = demo.adapt_deploy(copy.deepcopy(before), "https://127.0.0.1:1", 2)
+    after = demo.adapt_deploy(copy.deepcopy(before))
     changed = [(d["kind"], d["metadata"]["name"]) for d, a in zip(before, after, strict=True) if d != a]
     assert sorted(changed) == [("ConfigMap", "finetune-operator-policy"), ("Deployment", "finetune-operator")]
 
@@ -71,7 +70,7 @@ def test_everything_else_in_deploy_is_unchanged() -> None:
 def test_a_renamed_deployment_is_an_error_not_a_silent_no_op() -> None:
     docs = [d for d in deploy_docs() if d["kind"] != "Deployment"]
     with pytest.raises(DevClusterError, match="no Deployment"):
-        demo.adapt_deploy(docs, "https://127.0.0.1:1", 2)
+        demo.adapt_deploy(docs)
 
 
 def test_images_cli_rejects_an_unknown_image_and_accepts_none(monkeypatch: pytest.MonkeyPatch,

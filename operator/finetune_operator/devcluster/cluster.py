@@ -24,6 +24,7 @@ import signal
 import socket
 import ssl
 import subprocess
+import sys
 import threading
 import time
 import urllib.error
@@ -52,7 +53,7 @@ FIELD_MANAGER = "finetune-dev-cluster"
 # Start order.
 COMPONENTS = ["etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kwok", "ray-operator"]
 # The real node's processes stop first; its containers are killed before containerd goes.
-NODE_STOP_STAGES = [["fake-device-plugin", "kube-proxy", "coredns", "kubelet"], ["containerd"]]
+NODE_STOP_STAGES = [["fake-device-plugin", "kube-proxy", "coredns", "kubelet", "apiserver-forward"], ["containerd"]]
 REAL_NODE_LABELS = {
     "node.kubernetes.io/instance-type": "local-real",
     "finetune.dev/real-node": "true",
@@ -315,8 +316,9 @@ class DevCluster:
                 f"--etcd-servers={etcd_url}",
                 "--bind-address=127.0.0.1",
                 "--advertise-address=127.0.0.1",
-                # 1.37 refuses a loopback advertise address for the endpoints of the `kubernetes` Service;
-                # nothing in the dev cluster reaches the apiserver through that Service.
+                # 1.37 refuses a loopback advertise address for the endpoints of the `kubernetes` Service.
+                # Without a real node nothing reaches the apiserver through that Service; with one, its
+                # endpoint is the node's forwarder to this apiserver (_start_real_node).
                 "--endpoint-reconciler-type=none",
                 f"--secure-port={ports['apiserver']}",
                 f"--cert-dir={self.workdir / 'certs'}",
@@ -643,6 +645,7 @@ class DevCluster:
         cgroup_root = rn.make_cgroups()
         rn.make_bridge()
         rn.write_cni_config()
+        self._serve_apiserver_to_pods(api, server, deadline)
         ports = {n: _free_port() for n in ("kubelet", "kubelet-healthz", "kube-proxy-healthz", "kube-proxy-metrics")}
         ports.update({n: _free_port() for n in ("coredns-health", "coredns-ready")})
         path_env = {"PATH": f"{bins['containerd'].parent}:{bins['runc'].parent}:{os.environ.get('PATH', '')}"}
@@ -722,6 +725,26 @@ class DevCluster:
         )
         _apply(api, LOCAL_STORAGE_CLASS)
         self.log(f"[dev-cluster] real node {realnode.NODE_NAME} ready in {time.monotonic() - t0:.1f}s")
+
+    def _serve_apiserver_to_pods(self, api: _Api, server: str, deadline: float) -> None:
+        """Pods reach the apiserver as in any cluster: the ``kubernetes`` Service (``KUBERNETES_SERVICE_HOST``,
+        what in-cluster config uses) -> kube-proxy -> its endpoint, a forwarder on the bridge's address and
+        the apiserver's port -> the apiserver on 127.0.0.1. The apiserver takes one bind address and keeps
+        loopback (kwok-only clusters are unchanged); its certificate names the Service's address already."""
+        port = urllib.parse.urlsplit(server).port
+        assert port is not None
+        self._spawn(
+            "apiserver-forward",
+            [sys.executable, str(Path(__file__).with_name("tcpforward.py")), f"{realnode.GATEWAY}:{port}",
+             f"127.0.0.1:{port}"],
+        )
+
+        def accepts() -> bool:
+            with socket.create_connection((realnode.GATEWAY, port), timeout=2):
+                return True
+
+        self._wait("the apiserver forwarder on the node's bridge", accepts, deadline)
+        _apply(api, _kubernetes_endpoints(port))
 
     def import_image(self, image: realnode.ImageLike, tags: Sequence[str] = ()) -> None:
         """Import an OCI image archive (``images.ImageArchive``, ``oci.LocalImage``) into the real node,
@@ -884,6 +907,26 @@ def _apply(api: _Api, doc: dict[str, Any]) -> None:
     except urllib.error.HTTPError as e:
         if e.code != 409:
             raise DevClusterError(f"creating {doc['kind']} {meta['name']}: {_status_message(e)}") from e
+
+
+def _kubernetes_endpoints(port: int) -> dict[str, Any]:
+    """The endpoint of the ``default/kubernetes`` Service (port ``https``, 443) on a real node: the bridge
+    address, where the forwarder to the apiserver listens (the apiserver's own reconciler is off)."""
+    return {
+        "apiVersion": "discovery.k8s.io/v1",
+        "kind": "EndpointSlice",
+        "metadata": {
+            "name": "kubernetes-real-node",
+            "namespace": "default",
+            "labels": {
+                "kubernetes.io/service-name": "kubernetes",
+                "endpointslice.kubernetes.io/managed-by": FIELD_MANAGER,
+            },
+        },
+        "addressType": "IPv4",
+        "endpoints": [{"addresses": [realnode.GATEWAY], "conditions": {"ready": True}}],
+        "ports": [{"name": "https", "port": port, "protocol": "TCP"}],
+    }
 
 
 def _coredns_objects() -> list[dict[str, Any]]:

@@ -6,23 +6,23 @@ and the end-to-end test (tests/integration/test_e2e_real_node.py) share these st
    node's containerd, also under the stable names ``localhost/finetune/ray:local`` and
    ``localhost/finetune/operator:local`` (examples/local-cluster.yaml uses the first).
 2. :func:`install_operator`: ``deploy/`` rendered by kustomize (``kubectl kustomize deploy``) and applied,
-   with what a one-node dev cluster needs on top (:func:`operator_manifests`): the local image, one
-   replica on the real node, the local Ray image allowed by the admission policy and used for KubeRay's
-   submitter. The apiserver listens on 127.0.0.1 only, so the operator pod uses the host's network and is
-   told that address (``KUBERNETES_SERVICE_HOST``/``PORT``); the Ray pods reach its progress endpoint
-   through the ``finetune-operator`` Service as in production.
+   with what a one-node dev cluster needs on top (:func:`operator_manifests`): the local image, the real
+   node, the local Ray image allowed by the admission policy and used for KubeRay's submitter. Everything
+   else is production's: two replicas on the pod network (one leads by Lease, the other stands by, both
+   Ready), a RollingUpdate that surges one pod, in-cluster config through the ``kubernetes`` Service (on a
+   real node its endpoint forwards to the apiserver, see ``DevCluster._serve_apiserver_to_pods``), and
+   the Ray pods' progress reaching the leader through the ``finetune-operator`` Service.
 3. :func:`prepare_claim`: the ``finetune-local`` claim (a local PersistentVolume) holding the shipped tiny
    model and data; the job reads them and writes checkpoints and the export there.
 """
 
 from __future__ import annotations
 
+import json
 import shutil
-import socket
 import subprocess
 import sys
 import time
-import urllib.parse
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -74,23 +74,14 @@ def import_images(cluster: DevCluster, log: Log = _stderr) -> dict[str, float]:
     return took
 
 
-def free_gateway_port() -> int:
-    """A free TCP port on the real node's bridge address (where the host-network operator pod listens)."""
-    with socket.socket() as s:
-        s.bind((realnode.GATEWAY, 0))
-        return int(s.getsockname()[1])
-
-
-def operator_manifests(kubeconfig: Path, port: int) -> list[dict[str, Any]]:
+def operator_manifests(kubeconfig: Path) -> list[dict[str, Any]]:
     """``deploy/`` as kustomize renders it, adapted to the dev cluster (see the module docstring)."""
-    server = yaml.safe_load(kubeconfig.read_text())["clusters"][0]["cluster"]["server"]
     docs = [d for d in yaml.safe_load_all(kubectl(kubeconfig, "kustomize", str(REPO / "deploy"))) if d]
-    return adapt_deploy(docs, server, port)
+    return adapt_deploy(docs)
 
 
-def adapt_deploy(docs: list[dict[str, Any]], server_url: str, port: int) -> list[dict[str, Any]]:
+def adapt_deploy(docs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The dev-cluster changes to ``deploy/``'s objects (in place; returns ``docs``)."""
-    server = urllib.parse.urlsplit(server_url)
     found = set()
     for doc in docs:
         kind, name = doc["kind"], doc["metadata"]["name"]
@@ -99,20 +90,12 @@ def adapt_deploy(docs: list[dict[str, Any]], server_url: str, port: int) -> list
             doc["data"]["allowedImages"] = doc["data"].get("allowedImages", "") + "localhost/finetune/ray:*\n"
         if kind == "Deployment" and name == OPERATOR_NAME:
             found.add(kind)
-            doc["spec"]["replicas"] = 1  # the node has 2 cores; one replica leads
             pod = doc["spec"]["template"]["spec"]
-            pod["hostNetwork"] = True
-            pod["dnsPolicy"] = "ClusterFirstWithHostNet"
             pod["nodeSelector"] = {"finetune.dev/real-node": "true"}
             (c,) = pod["containers"]
             c["image"] = LOCAL_OPERATOR_IMAGE
             c["imagePullPolicy"] = "Never"  # imported, never pulled
-            c["args"] = [*c["args"], f"--listen={realnode.GATEWAY}", f"--port={port}",
-                         f"--submitter-image={LOCAL_RAY_IMAGE}"]
-            c["env"] = [*c.get("env", []),
-                        {"name": "KUBERNETES_SERVICE_HOST", "value": server.hostname},
-                        {"name": "KUBERNETES_SERVICE_PORT", "value": str(server.port)}]
-            c["ports"] = [{"name": "http", "containerPort": port}]
+            c["args"] = [*c["args"], f"--submitter-image={LOCAL_RAY_IMAGE}"]
     missing = {"ConfigMap", "Deployment"} - found
     if missing:
         raise DevClusterError(f"deploy/ has no {' or '.join(sorted(missing))} to adapt (renamed?)")
@@ -122,23 +105,15 @@ def adapt_deploy(docs: list[dict[str, Any]], server_url: str, port: int) -> list
 CHART = REPO / "deploy" / "helm" / "finetune-operator"
 
 
-def chart_values(server_url: str, port: int) -> dict[str, Any]:
+def chart_values() -> dict[str, Any]:
     """The Helm values that make the chart what :func:`adapt_deploy` makes of ``deploy/`` (one test
-    compares the two): the same chart a cluster gets, with the dev cluster's image, node and network."""
-    server = urllib.parse.urlsplit(server_url)
+    compares the two): the same chart a cluster gets, with the dev cluster's images and node. Replicas,
+    update strategy, network and in-cluster config stay the chart's defaults."""
     return {
         "image": {"repository": LOCAL_OPERATOR_IMAGE.rsplit(":", 1)[0], "tag": LOCAL_OPERATOR_IMAGE.rsplit(":", 1)[1],
                   "pullPolicy": "Never"},
-        "replicas": 1,
-        # One node and the host's network: a surged second pod could never bind the port.
-        "strategy": {"type": "Recreate"},
-        "hostNetwork": True,
-        "dnsPolicy": "ClusterFirstWithHostNet",
         "nodeSelector": {"finetune.dev/real-node": "true"},
-        "port": port,
-        "extraEnv": [{"name": "KUBERNETES_SERVICE_HOST", "value": server.hostname},
-                     {"name": "KUBERNETES_SERVICE_PORT", "value": str(server.port)}],
-        "operator": {"extraArgs": [f"--listen={realnode.GATEWAY}", f"--submitter-image={LOCAL_RAY_IMAGE}"]},
+        "operator": {"extraArgs": [f"--submitter-image={LOCAL_RAY_IMAGE}"]},
         "policy": {"allowedImages": ["public.ecr.aws/deep-learning-containers/ray:*", "localhost/finetune/ray:*"],
                    "allowedServiceAccounts": ["default"]},
     }
@@ -149,25 +124,39 @@ def helm_env(home: Path) -> dict[str, str]:
             "HELM_CONFIG_HOME": str(home / "config"), "HELM_DATA_HOME": str(home / "data")}
 
 
-def install_operator(cluster: DevCluster, timeout: float = 300, log: Log = _stderr, helm: Path | None = None) -> None:
-    """Install the operator and wait until its pod leads and its Service has the endpoint: ``deploy/``
-    (kustomize, adapted), or with ``helm`` (a helm binary) the chart in deploy/helm with
-    :func:`chart_values`."""
+def leader_pod(kubeconfig: Path) -> str | None:
+    """The operator pod the ``finetune-operator`` Service routes progress to: the leader (it labels its own
+    pod), Ready and not terminating; None while there is none (or, during a handover, not just one)."""
+    slices = json.loads(kubectl(kubeconfig, "-n", OPERATOR_NAMESPACE, "get", "endpointslices",
+                                "-l", f"kubernetes.io/service-name={OPERATOR_NAME}", "-o", "json"))["items"]
+    routed = {e["targetRef"]["name"] for sl in slices for e in sl.get("endpoints") or []
+              if (e.get("conditions") or {}).get("ready") and e.get("targetRef", {}).get("kind") == "Pod"}
+    pods = json.loads(kubectl(kubeconfig, "-n", OPERATOR_NAMESPACE, "get", "pods",
+                              "-l", f"app.kubernetes.io/name={OPERATOR_NAME}", "-o", "json"))["items"]
+    live = [p["metadata"]["name"] for p in pods
+            if p["metadata"]["name"] in routed and not p["metadata"].get("deletionTimestamp")]
+    return live[0] if len(live) == 1 else None
+
+
+def install_operator(cluster: DevCluster, timeout: float = 300, log: Log = _stderr, helm: Path | None = None,
+                     values: dict[str, Any] | None = None) -> str:
+    """Install (or upgrade) the operator: ``deploy/`` (kustomize, adapted), or with ``helm`` (a helm binary)
+    the chart in deploy/helm with :func:`chart_values` and ``values`` on top. Waits for ``kubectl rollout
+    status`` (every replica of the new template Ready, the old ones gone) and for a leader behind the
+    Service; returns the leader's pod name."""
     kc = Path(cluster.kubeconfig)
     t0 = time.monotonic()
-    port = free_gateway_port()
     if helm is None:
-        docs = operator_manifests(kc, port)
+        docs = operator_manifests(kc)
         kubectl(kc, "apply", "--server-side", "--force-conflicts", "-f", "-", stdin=yaml.safe_dump_all(docs))
         how = "deploy/"
     else:
-        server = yaml.safe_load(kc.read_text())["clusters"][0]["cluster"]["server"]
         home = Path(cluster.workdir) / "helm-home"
         home.mkdir(parents=True, exist_ok=True)
-        values = home / "dev-cluster-values.yaml"
-        values.write_text(yaml.safe_dump(chart_values(server, port)))
+        path = home / "dev-cluster-values.yaml"
+        path.write_text(yaml.safe_dump({**chart_values(), **(values or {})}))
         out = subprocess.run([str(helm), "upgrade", "--install", OPERATOR_NAME, str(CHART), "--namespace",
-                              OPERATOR_NAMESPACE, "--create-namespace", "--kubeconfig", str(kc), "-f", str(values)],
+                              OPERATOR_NAMESPACE, "--create-namespace", "--kubeconfig", str(kc), "-f", str(path)],
                              capture_output=True, text=True, timeout=timeout, env=helm_env(home))
         if out.returncode != 0:
             raise DevClusterError(f"helm install {CHART}: {out.stderr.strip()}")
@@ -175,16 +164,13 @@ def install_operator(cluster: DevCluster, timeout: float = 300, log: Log = _stde
     kubectl(kc, "-n", OPERATOR_NAMESPACE, "rollout", "status", f"deployment/{OPERATOR_NAME}",
             f"--timeout={int(timeout)}s", timeout=timeout + 30)
     deadline = time.monotonic() + timeout
-    while True:  # the leader labels its own pod; the Service then selects it
-        addrs = kubectl(kc, "-n", OPERATOR_NAMESPACE, "get", "endpointslices",
-                        "-l", f"kubernetes.io/service-name={OPERATOR_NAME}",
-                        "-o", "jsonpath={.items[*].endpoints[*].addresses[*]}").split()
-        if addrs:
-            break
+    while (leader := leader_pod(kc)) is None:  # the leader labels its own pod; the Service then selects it
         if time.monotonic() > deadline:
-            raise DevClusterError(f"the operator's Service has no endpoint after {timeout:.0f}s (no leader?)")
+            raise DevClusterError(f"the operator's Service has no live leader behind it after {timeout:.0f}s")
         time.sleep(1)
-    log(f"[demo] operator from {how} running on {realnode.NODE_NAME} in {time.monotonic() - t0:.0f}s")
+    log(f"[demo] operator from {how} running on {realnode.NODE_NAME} in {time.monotonic() - t0:.0f}s "
+        f"(leader {leader})")
+    return leader
 
 
 def prepare_claim(cluster: DevCluster, namespace: str, timeout: float = 60) -> Path:
