@@ -26,7 +26,9 @@ import argparse
 import asyncio
 import base64
 import json
+import os
 import re
+import signal
 import statistics
 import sys
 import tempfile
@@ -218,6 +220,8 @@ def main() -> int:
     ap.add_argument("--settle", type=float, default=20.0, help="quiet seconds before the idle window starts")
     ap.add_argument("--reporting", type=int, default=100, help="jobs posting progress for the status latency")
     ap.add_argument("--report-seconds", type=float, default=30.0)
+    ap.add_argument("--trace-memory", action="store_true",
+                    help="run the operator under tracemalloc and print where its memory is once settled (slower)")
     ap.add_argument("--flush-interval", type=float, default=5.0, help="the operator's --flush-interval (its default: 5)")
     ap.add_argument("--report-every", type=float, default=5.0,
                     help="seconds between one job's progress POSTs (the runtime posts at most every 5 s)")
@@ -243,7 +247,8 @@ def main() -> int:
     sa = service_account_kubeconfig(Path(cluster.kubeconfig), work / "sa-kubeconfig")
     # The operator as deployed: the Deployment's flush and resync intervals (the test fixture's are shorter)
     # and the image's malloc setting (Dockerfile.operator).
-    op = OperatorProcess(sa, work / "op", lease_namespace="finetune-system", extra_env={"MALLOC_ARENA_MAX": "2"},
+    env = {"MALLOC_ARENA_MAX": "2", **({"PYTHONTRACEMALLOC": "12"} if args.trace_memory else {})}
+    op = OperatorProcess(sa, work / "op", lease_namespace="finetune-system", extra_env=env,
                          extra_args=["--flush-interval", str(args.flush_interval), "--resync-interval", "120"])
     op.start()
     stop = threading.Event()
@@ -310,6 +315,14 @@ def main() -> int:
         assert op.proc is not None
         print(f"operator RSS with {args.jobs} jobs: {rss_mib(op.proc.pid):.0f} MiB (before the first job: "
               f"{rss_idle:.0f} MiB; highest while they were created and settled: {rss_peak[0]:.0f} MiB)")
+        if args.trace_memory:
+            logs = sorted((work / "op").glob("operator-*.log"))
+            mark = logs[-1].stat().st_size
+            os.kill(op.proc.pid, signal.SIGUSR2)
+            time.sleep(10)
+            with logs[-1].open() as f:
+                f.seek(mark)
+                print(f.read()[-12000:])
         per_res = etcd_bytes(f"http://127.0.0.1:{cluster._state()['ports']['etcd']}", ns)
         ours_res = ("finetune.dev/finetunejobs", "ray.io/rayjobs", "configmaps", "events")
         print(f"etcd bytes per job: {sum(per_res.values()) / args.jobs:.0f} in all, "

@@ -126,6 +126,10 @@ async def run(args: argparse.Namespace) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    import tracemalloc
+
+    if tracemalloc.is_tracing():  # PYTHONTRACEMALLOC=<frames>: SIGUSR2 logs where the memory is
+        loop.add_signal_handler(signal.SIGUSR2, log_memory)
 
     elector = None
     if args.leader_elect:
@@ -208,6 +212,21 @@ async def run(args: argparse.Namespace) -> int:
         log.error("leadership lost: exiting so that only the leader acts")
         return 2
     return 0
+
+
+def log_memory(top: int = 25) -> None:
+    """The allocation sites holding the most memory now (a diagnostic: run with PYTHONTRACEMALLOC=<frames>
+    and send SIGUSR2)."""
+    import tracemalloc
+
+    snap = tracemalloc.take_snapshot().filter_traces([tracemalloc.Filter(False, tracemalloc.__file__)])
+    stats = snap.statistics("traceback")
+    total = sum(st.size for st in stats)
+    lines = [f"traced memory {total / 2**20:.1f} MiB in {len(stats)} sites; the top {top}:"]
+    for st in stats[:top]:
+        lines.append(f"  {st.size / 2**20:8.2f} MiB {st.count:8d} blocks")
+        lines.extend(f"      {frame}" for frame in st.traceback.format()[-8:])
+    log.warning("\n".join(lines))
 
 
 def main(args: argparse.Namespace) -> int:
