@@ -192,3 +192,37 @@ def test_a_flush_patches_jobs_side_by_side_and_keeps_a_failed_one_dirty() -> Non
     assert all(p["step"] == "7" for _, _, p in kube.patches)
     assert kube.most > 1  # one after the other, 100 jobs took a flush ~15 s on a loaded dev cluster
     assert server.flush_once() == 0 and len(kube.patches) == 20  # only `bad` was still dirty, and failed again
+
+
+def test_progress_is_written_on_the_leading_edge_and_at_most_once_per_interval(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A report for a job written longer than the interval ago is due at once; quicker ones wait for the
+    interval, counted from when the last written report *arrived*: a write's own latency must not push
+    the next one later (a trainer reporting once per interval would otherwise wait longer each time)."""
+    from finetune_operator.api.status import ProgressReport
+    from finetune_operator.controller import progress as progress_mod
+
+    clock = Clock()
+    monkeypatch.setattr(progress_mod.time, "monotonic", clock)
+    kube = StubKube()
+    server = _server(kube)  # flush_interval 5 s
+
+    def report(step: int) -> None:
+        server.accept("ns", "a", ProgressReport.model_validate({"rank": 0, "training": {"step": step}}))
+
+    report(1)
+    assert server.flush_once(due_only=True) == 1  # first report: written at once
+    for t, step in ((1.0, 2), (2.0, 3), (4.9, 4)):  # quicker than the interval: coalesced, not written
+        clock.now = t
+        report(step)
+        assert server.flush_once(due_only=True) == 0
+    assert server._next_due() == pytest.approx(0.1)
+    clock.now = 5.0
+    assert server.flush_once(due_only=True) == 1 and kube.patches[-1][2]["training"]["step"] == 4  # type: ignore[index]
+    # At the interval's pace, each write late by 0.3 s (a busy API server): every report is still due on
+    # arrival, the lateness does not add up.
+    for n in range(1, 6):
+        clock.now = 4.9 + 5.0 * n  # arrives 5 s after the one written before it
+        report(10 + n)
+        clock.now += 0.3  # the flusher gets to it late
+        assert server.flush_once(due_only=True) == 1, n
+    assert len(kube.patches) == 7

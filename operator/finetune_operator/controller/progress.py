@@ -71,7 +71,11 @@ class _Pending:
     dirty: bool = False
     flushed_network: dict[str, Any] = field(default_factory=dict)  # what the last flush wrote
     uid: str | None = None  # the FinetuneJob the reports were accepted for
-    last_flush: float = float("-inf")  # monotonic time of the last write
+    received: float = float("-inf")  # monotonic time the latest report arrived
+    # When the report written last arrived: the next write is due `flush_interval` after it. (Measured from
+    # the write instead, every write's own latency would push the next one later: a trainer reporting once
+    # per interval would see its reports wait longer and longer.)
+    last_flush: float = float("-inf")
 
 
 def _merge(a: dict[str, Any], b: dict[str, Any] | None) -> dict[str, Any]:
@@ -235,6 +239,7 @@ class ProgressServer:
         if report.phase and report.rank == 0:
             p.runtime_phase = report.phase  # kept: decides the outcome if the RayJob vanishes unobserved
         p.dirty = True
+        p.received = time.monotonic()
         self.metrics.observe_progress(namespace, name, training, network)
         self._signal()
 
@@ -298,7 +303,7 @@ class ProgressServer:
 
         ns, name = key
         p.dirty = False
-        p.last_flush = time.monotonic()
+        p.last_flush = p.received if p.received > float("-inf") else time.monotonic()
         patch: dict[str, Any] = {}
         if p.training:
             patch["training"] = dict(p.training)
