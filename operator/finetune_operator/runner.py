@@ -78,7 +78,7 @@ async def run(args: argparse.Namespace) -> int:
     from .controller.cache import Cache
     from .controller.clusterconfig import ClusterConfig
     from .controller.handlers import build_registry, settings_for_embedding
-    from .controller.k8s import PODS, Kube, load_config
+    from .controller.k8s import FTJ, PODS, Kube, load_config
     from .controller.leader import LeaderElector, label_own_pod
     from .controller.metrics import Metrics
     from .controller.progress import ProgressServer
@@ -105,6 +105,7 @@ async def run(args: argparse.Namespace) -> int:
     progress = ProgressServer(kube, metrics, on_flushed=queue.add, flush_interval=args.flush_interval,
                               current_cluster=lambda ns, name: reconciler.ray_clusters.get((ns, name)),
                               current_uid=lambda ns, name: reconciler.uids.get((ns, name)),
+                              current_version=lambda ns, name: cache.version(FTJ, ns, name),
                               get_pod=lambda ns, name: cache.get(PODS, ns, name))
     metrics.queue_depth.set_function(queue.depth)
 

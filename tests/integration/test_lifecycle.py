@@ -366,7 +366,8 @@ def test_a_write_meant_for_a_deleted_job_never_lands_on_its_successor(
 def test_a_paused_leader_writes_nothing_after_a_standby_took_over(
         kube: Kube, namespace: str, operator: OperatorProcess, operator_kubeconfig: Path, tmp_path: Path) -> None:
     operator.stop()  # releases the Lease
-    # Leader A keeps progress in memory (a flush interval longer than the test); B flushes every second.
+    # Leader A writes a job's first report at once, then keeps later ones in memory (a flush interval
+    # longer than the test); B flushes every second.
     a = OperatorProcess(operator_kubeconfig, tmp_path, identity="op-fence-a", lease_namespace=LEASE_NS,
                         extra_args=["--flush-interval", "600", *SHORT_LEASE])
     b = OperatorProcess(operator_kubeconfig, tmp_path, identity="op-fence-b", lease_namespace=LEASE_NS,
@@ -379,8 +380,13 @@ def test_a_paused_leader_writes_nothing_after_a_standby_took_over(
         wait_for("B serving as a standby", lambda: b.readyz() == 503, timeout=60)
         pod = worker_pods(kube, namespace, "fence")[0]
         token = _token(kube, namespace, pod, f"finetune.dev/progress/{namespace}/fence")
+        code, text = a.post(namespace, "fence", {"rank": 0, "training": {"step": 6, "totalSteps": 50}}, token)
+        assert code == 202, text
+        wait_for("A's first report written at once", lambda: status(kube, namespace, "fence").get("step") == "6/50",
+                 timeout=30)
         code, text = a.post(namespace, "fence", {"rank": 0, "training": {"step": 7, "totalSteps": 50}}, token)
         assert code == 202, text
+        stays("A holds step 7 (due only in 600 s)", lambda: status(kube, namespace, "fence").get("step") == "6/50", 1)
         assert b.post(namespace, "fence", {"rank": 0, "training": {"step": 8}}, token)[0] == 503  # standby
         assert a.proc is not None
         a.proc.send_signal(signal.SIGSTOP)  # the leader freezes (GC pause, frozen VM) holding step 7
@@ -397,6 +403,63 @@ def test_a_paused_leader_writes_nothing_after_a_standby_took_over(
             a.proc.send_signal(signal.SIGCONT)
         a.kill()
         b.stop()
+        operator.start()
+
+
+def test_a_progress_write_paused_after_the_leader_check_is_refused_by_the_api_server(
+        kube: Kube, namespace: str, operator: OperatorProcess, operator_kubeconfig: Path) -> None:
+    """The Lease check before a write cannot fence a write that passed it and was then paused (SIGSTOP,
+    a GC pause) before it left: it reaches the API server after the new leader's writes. Progress writes
+    therefore test the job's resourceVersion, as the cache last saw it; a stale one is refused, and the
+    retry on the fresh version asks the leader check again, which the paused replica no longer passes.
+    The pause itself cannot be placed between the check and the send on demand, so the stand-in is the
+    check (`may_write`): it lets the write through, and meanwhile "the new leader" (this test, through
+    the API server) writes a later step. Everything else is the real flush against the real API server."""
+    from finetune_operator.api.status import ProgressReport
+    from finetune_operator.controller.k8s import Kube as OperatorKube
+    from finetune_operator.controller.k8s import load_config
+    from finetune_operator.controller.metrics import Metrics
+    from finetune_operator.controller.progress import ProgressServer
+
+    operator.stop()  # nobody else writes this object during the test
+    try:
+        create(kube, namespace, ftj("paused"))
+        obj = kube.custom.patch_namespaced_custom_object_status(
+            G, V, namespace, P, "paused", {"status": {"phase": "Running"}}, _content_type="application/merge-patch+json")
+        uid, seen = obj["metadata"]["uid"], obj["metadata"]["resourceVersion"]
+
+        def new_leader_writes(step: int) -> None:
+            kube.custom.patch_namespaced_custom_object_status(
+                G, V, namespace, P, "paused", {"status": {"step": f"{step}/50", "training": {"step": step}}},
+                _content_type="application/merge-patch+json")
+
+        def flusher() -> ProgressServer:
+            srv = ProgressServer(OperatorKube(load_config(str(operator_kubeconfig))), Metrics(), flush_interval=0,
+                                 current_uid=lambda ns, name: uid, current_version=lambda ns, name: seen)
+            srv.accept(namespace, "paused", ProgressReport.model_validate(
+                {"rank": 0, "training": {"step": 7, "totalSteps": 50}}))
+            return srv
+
+        # 1. A paused leader: the check passes, the new leader writes step 9 before the write arrives.
+        paused = flusher()
+        checks: list[bool] = []
+
+        def check_then_pause() -> bool:
+            if not checks:
+                new_leader_writes(9)  # happens while this replica is frozen right after its check
+            checks.append(not checks)  # after the pause the Lease has surely run out: refused from now on
+            return checks[-1]
+        paused.kube.may_write = check_then_pause
+        assert paused.flush_once() == 0  # refused twice: by the API server, then by the leader check
+        assert paused.conflicts == 1 and paused.pending[(namespace, "paused")].dirty and checks == [True, False]
+        assert status(kube, namespace, "paused")["step"] == "9/50"  # the stale step 7 never landed
+
+        # 2. The same stale version without a pause (the cache behind a write by somebody else): the
+        #    retry on the version just read lands, so a live leader's progress is never lost to it.
+        live = flusher()
+        assert live.flush_once() == 1 and live.conflicts == 1
+        assert status(kube, namespace, "paused")["step"] == "7/50"
+    finally:
         operator.start()
 
 

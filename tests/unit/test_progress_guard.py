@@ -86,7 +86,7 @@ class StubKube:
         return {"authenticated": False, "error": "invalid bearer token"}
 
     def patch_status(self, ns: str, name: str, patch: dict[str, object], uid: str | None = None,
-                     has_status: bool = True) -> dict[str, object]:
+                     has_status: bool = True, resource_version: str | None = None) -> dict[str, object]:
         self.patches.append((ns, name, patch))
         self.uids.append(uid)
         return {}
@@ -163,7 +163,7 @@ class SlowKube(StubKube):
         self.lock, self.active, self.most = threading.Lock(), 0, 0
 
     def patch_status(self, ns: str, name: str, patch: dict[str, object], uid: str | None = None,
-                     has_status: bool = True) -> dict[str, object]:
+                     has_status: bool = True, resource_version: str | None = None) -> dict[str, object]:
         import time
 
         from finetune_operator.controller.k8s import ApiError

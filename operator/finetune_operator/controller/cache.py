@@ -176,6 +176,11 @@ class Store:
             obj = self._objects.get((namespace or "", name))
         return copy.deepcopy(obj) if obj is not None else None
 
+    def version(self, namespace: str | None, name: str) -> str | None:
+        with self._lock:
+            obj = self._objects.get((namespace or "", name))
+        return str((obj.get("metadata") or {}).get("resourceVersion") or "") or None if obj is not None else None
+
     def select(self, namespace: str | None, selector: str | None) -> list[Obj]:
         terms = parse_selector(selector)
         with self._lock:
@@ -240,6 +245,15 @@ class Cache:
             if hit is not None:
                 return hit
         return self.get_live(gvr, namespace, name)
+
+    def version(self, gvr: Gvr, namespace: str | None, name: str) -> str | None:
+        """The resourceVersion the cache holds (no copy); a miss is confirmed by a live GET."""
+        store = self.stores.get(gvr)
+        found = store.version(namespace, name) if store is not None else None
+        if found is None:
+            live = self.get_live(gvr, namespace, name)
+            found = str(((live or {}).get("metadata") or {}).get("resourceVersion") or "") or None
+        return found
 
     def get_live(self, gvr: Gvr, namespace: str | None, name: str) -> Obj | None:
         with self._lock:

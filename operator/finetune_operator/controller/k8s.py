@@ -46,6 +46,15 @@ class ObjectReplaced(ApiError):
     a new one (`kubectl delete && kubectl apply`, Argo CD Replace) was created in its place."""
 
 
+class Conflict(ApiError):
+    """A write guarded by a resourceVersion found the object changed since that version. `current` is the
+    object as the API server has it now (read to tell this apart from ObjectReplaced)."""
+
+    def __init__(self, status: int, body: str, what: str, current: Obj):
+        super().__init__(status, body, what)
+        self.current = current
+
+
 def load_config(kubeconfig: str | None = None) -> client.ApiClient:
     if kubeconfig:
         cfg = client.Configuration()
@@ -188,7 +197,7 @@ class Kube:
         )
 
     def patch_status(self, namespace: str, name: str, status: Obj, uid: str | None = None,
-                     has_status: bool = True) -> Obj:
+                     has_status: bool = True, resource_version: str | None = None) -> Obj:
         """Merge `status` into the FinetuneJob's status (a None value removes the field).
 
         With `uid`, the write lands only on that object: a JSON patch whose first operation tests
@@ -197,11 +206,19 @@ class Kube:
         onto the new one. (A merge patch carrying `metadata.uid` is no guard: the status subresource
         copies the stored metadata over the patched object before validating.) `has_status=False` (the
         object read had no status yet) writes the whole status in one operation, as JSON patch cannot
-        add below a missing `/status`. Raises ObjectReplaced when the UID differs."""
+        add below a missing `/status`. Raises ObjectReplaced when the UID differs.
+
+        With `resource_version` as well, the patch also tests `metadata.resourceVersion`: it lands only if
+        nobody wrote the object since that version was read, else Conflict. This is what fences a write
+        that passed the leader check and was then paused before it left (SIGSTOP, a GC pause): by the time
+        it reaches the API server the new leader has written, so the version no longer matches.
+        (Checking the Lease first cannot close that window; only the server can.)"""
         if uid is None:
             return self._write("patch-status", s.KIND, "PATCH", _path(FTJ, namespace, name, "status"),
                                body={"status": status}, content_type="application/merge-patch+json")
         ops: list[Obj] = [{"op": "test", "path": "/metadata/uid", "value": uid}]
+        if resource_version:
+            ops.append({"op": "test", "path": "/metadata/resourceVersion", "value": resource_version})
         if has_status:
             for key, value in status.items():
                 ptr = "/status/" + key.replace("~", "~0").replace("/", "~1")
@@ -219,6 +236,9 @@ class Kube:
                 if now is not None and now["metadata"].get("uid") != uid:
                     raise ObjectReplaced(err.status, err.body, f"status of {namespace}/{name} (uid {uid}; now "
                                                                f"{now['metadata'].get('uid')})") from None
+                if now is not None and resource_version and now["metadata"].get("resourceVersion") != resource_version:
+                    raise Conflict(409, err.body, f"status of {namespace}/{name} (resourceVersion {resource_version}; "
+                                                  f"now {now['metadata'].get('resourceVersion')})", now) from None
             raise
 
     def patch(self, gvr: tuple[str, str, str], namespace: str, name: str, body: Obj, kind: str,

@@ -109,6 +109,7 @@ class ProgressServer:
         limits: Limits | None = None,
         current_cluster: Callable[[str, str], str | None] = lambda ns, name: None,
         current_uid: Callable[[str, str], str | None] = lambda ns, name: None,
+        current_version: Callable[[str, str], str | None] = lambda ns, name: None,
         get_pod: Callable[[str, str], dict[str, Any] | None] | None = None,
     ):
         from .reconcile import utcnow
@@ -123,6 +124,10 @@ class ProgressServer:
         # The UID of the FinetuneJob the reconciler last saw under the name: a flush is written to that object
         # only (a job deleted and re-created under its name must not get the old one's progress).
         self.current_uid = current_uid
+        # The FinetuneJob's resourceVersion as last seen (the watch cache): each progress write tests it,
+        # so a write delayed past a leadership change (a paused leader) is refused by the API server.
+        self.current_version = current_version
+        self.conflicts = 0  # writes that found the job changed since the cache saw it (and were retried)
         # Reads the pod a token is bound to (the operator: from its watch cache; default: a GET).
         self.get_pod = get_pod or (lambda ns, name: self.kube.get(PODS, ns, name))
         self._wake: asyncio.Event | None = None
@@ -299,7 +304,7 @@ class ProgressServer:
             return sum(pool.map(lambda kp: self._flush_one(*kp), dirty))
 
     def _flush_one(self, key: tuple[str, str], p: _Pending) -> bool:
-        from .k8s import ApiError, ObjectReplaced
+        from .k8s import ApiError, Conflict, NotLeader, ObjectReplaced
 
         ns, name = key
         p.dirty = False
@@ -315,7 +320,20 @@ class ProgressServer:
         if p.runtime_phase:
             patch["runtimePhase"] = p.runtime_phase
         try:
-            self.kube.patch_status(ns, name, patch, uid=p.uid)
+            try:
+                self.kube.patch_status(ns, name, patch, uid=p.uid,
+                                       resource_version=self.current_version(ns, name) if p.uid else None)
+            except Conflict as err:
+                # Somebody wrote the job since the cache saw it (a reconcile's status write in flight, a new
+                # leader): write again on the version just read. This retry asks the leader check again,
+                # which a replica that was paused past its Lease no longer passes.
+                self.conflicts += 1
+                self.kube.patch_status(ns, name, patch, uid=p.uid,
+                                       resource_version=err.current["metadata"].get("resourceVersion"))
+        except NotLeader as err:  # deposed (the process is on its way out): the report stays unwritten
+            p.dirty = True
+            log.warning("progress for %s/%s not written: %s", ns, name, err)
+            return False
         except ApiError as err:
             if err.status == 404 or isinstance(err, ObjectReplaced):
                 self.forget(ns, name)
