@@ -301,16 +301,22 @@ def main() -> int:
             print(f"ratio of medians (ours / KubeRay): {statistics.median(ours) / statistics.median(kuberay):.2f}; "
                   f"of p99s: {pct(ours, 0.99) / pct(kuberay, 0.99):.2f}")
 
-        # Idle: wait until the operator has stopped writing for `settle` seconds, then measure.
-        # (Lease renewals every 10 s are leader election, reported separately, not a sign of activity.)
-        last, quiet_since = writes_from_metrics(op.metrics(), leases=False), time.monotonic()
+        # Idle: wait until the operator has stopped writing, and KubeRay has stopped creating pods, for
+        # `settle` seconds, then measure. (Lease renewals every 10 s are leader election, reported
+        # separately, not a sign of activity.) Without the pod count, a 1000-job run settled while KubeRay
+        # was still creating Ray pods, and the status latency measured that load.
+        def activity() -> tuple[Any, int]:
+            return (writes_from_metrics(op.metrics(), leases=False),
+                    len(core.list_namespaced_pod(ns, label_selector="finetune.dev/job").items))
+        last, quiet_since = activity(), time.monotonic()
         settle_start = quiet_since
         while time.monotonic() - quiet_since < args.settle:
             time.sleep(2)
-            now = writes_from_metrics(op.metrics(), leases=False)
+            now = activity()
             if now != last:
                 last, quiet_since = now, time.monotonic()
-        print(f"\nsettled: no operator writes for {args.settle:.0f}s (after {time.monotonic() - settle_start:.0f}s)")
+        print(f"\nsettled: no operator writes and no new Ray pods ({last[1]}) for {args.settle:.0f}s "
+              f"(after {time.monotonic() - settle_start:.0f}s)")
         settled = time.time()
         assert op.proc is not None
         print(f"operator RSS with {args.jobs} jobs: {rss_mib(op.proc.pid):.0f} MiB (before the first job: "

@@ -270,23 +270,25 @@ def test_bad_spec_is_rejected_by_the_api_server(kube: Kube, namespace: str) -> N
 def test_operator_killed_mid_reconcile_makes_no_duplicates(kube: Kube, namespace: str, operator: OperatorProcess,
                                                             operator_kubeconfig: Path, tmp_path: Path) -> None:
     operator.stop()
-    # A real SIGKILL-equivalent crash at the worst moment: right after the child names are recorded and
-    # before anything is created. The crash point is chosen with a test-only environment variable.
+    # A real SIGKILL-equivalent crash at the worst moment: right after the children were created and before
+    # the status write that records them. The crash point is chosen with a test-only environment variable.
     crashing = OperatorProcess(operator_kubeconfig, tmp_path, identity="op-crash", lease_namespace=LEASE_NS,
-                               extra_env={"FINETUNE_TEST_CRASH_AFTER_NAMES": "1"})
+                               extra_env={"FINETUNE_TEST_CRASH_AFTER_CREATE": "1"})
     try:
         crashing.start()
         create(kube, namespace, ftj("crash"))
         assert crashing.proc is not None
         crashing.proc.wait(timeout=60)
         assert crashing.proc.returncode == 137
-        assert status(kube, namespace, "crash").get("rayJobName") == "crash"
-        assert rayjobs(kube, namespace) == []
+        assert "rayJobUID" not in status(kube, namespace, "crash")  # created, not recorded
+        assert [r["metadata"]["name"] for r in rayjobs(kube, namespace)] == ["crash"]
     finally:
         crashing.kill()
     operator.start()
-    wait_for("Running after restart", lambda: phase_is(kube, namespace, "crash", "Running"), timeout=180)
-    assert [r["metadata"]["name"] for r in rayjobs(kube, namespace)] == ["crash"]
+    st = wait_for("Running after restart", lambda: phase_is(kube, namespace, "crash", "Running"), timeout=180)
+    (rj,) = rayjobs(kube, namespace)  # the one created before the crash, adopted: not a second one
+    assert rj["metadata"]["name"] == "crash" and st["rayJobUID"] == rj["metadata"]["uid"]  # type: ignore[index]
+    assert st["rayJobName"] == "crash" and st["configMapName"] == "crash-config"  # type: ignore[index]
     assert len(rayclusters(kube, namespace)) == 1
     operator.kill()  # and once more, mid-flight with children present
     operator.start()

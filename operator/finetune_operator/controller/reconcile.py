@@ -426,14 +426,9 @@ class Reconciler:
             if rayjob_now is None or rayjob_now["metadata"].get("uid") != recorded:
                 self._lost(ns, job.metadata.name, names, recorded, observed)
                 return
-        if prev.get("rayJobName") != names["rayJob"]:
-            # Record the child names before creating anything: a crash between create and record can
-            # then never lead to a second, differently named child.
-            self.kube.patch_status(ns, job.metadata.name, {"rayJobName": names["rayJob"], "configMapName": names["configMap"]},
-                                   uid=uid or None, has_status=bool(prev))
-            prev.update(rayJobName=names["rayJob"], configMapName=names["configMap"])
-            if os.environ.get("FINETUNE_TEST_CRASH_AFTER_NAMES") == "1":
-                os._exit(137)  # test hook: die like a SIGKILL at the worst moment (see test_operator.py)
+        # The child names are the job's own (child_names): a crash between creating a child and recording it
+        # in status can never lead to a second, differently named child, so they are recorded by this
+        # reconcile's status write, not by a write of their own before anything is created.
         try:
             desired = render_children(job, self.runtime_files, cfg or self.cfg)
         except SpecError as err:
@@ -485,6 +480,8 @@ class Reconciler:
                         observed.blocked = ("ChildRejected", f"{action.obj['kind']} {name} rejected by the API server: {err.message}"[:1000])
                         return
                     raise
+        if recorded is None and os.environ.get("FINETUNE_TEST_CRASH_AFTER_CREATE") == "1":
+            os._exit(137)  # test hook: die like a SIGKILL at the worst moment (see test_operator.py)
         # The RayJob's UID is recorded by this reconcile's status write (derive_status copies it from the
         # RayJob observed here, in the same reconcile as its creation): from then on, if it disappears, it
         # is never re-created. A failure before that write leaves an unrecorded RayJob this job owns, which
