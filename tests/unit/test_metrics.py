@@ -63,3 +63,23 @@ def test_jobs_past_the_cap_get_no_series_and_are_counted_once() -> None:
     assert sample(m, "finetune_jobs_without_series") == 1.0
     m.forget("ml", "b")
     assert sample(m, "finetune_jobs_without_series") == 0.0
+
+
+def test_api_call_counters_are_current_at_every_scrape_not_only_after_a_reconcile() -> None:
+    """Lease renewals and progress writes happen outside reconciles: a scrape must show them as they are."""
+    import asyncio
+
+    from finetune_operator.controller.k8s import Kube
+    from finetune_operator.controller.progress import ProgressServer
+    from kubernetes import client
+
+    kube, m = Kube(client.ApiClient()), Metrics()
+    server = ProgressServer(kube, m)
+    kube.writes["replace Lease"] += 6  # what the client counted since the last reconcile
+    kube.reads["get leases"] += 6
+    body = asyncio.run(server.metrics_view(None)).body  # type: ignore[arg-type]
+    assert b'finetune_api_writes_total{kind="Lease",verb="replace"} 6.0' in body
+    assert b'finetune_api_reads_total{resource="leases",verb="get"} 6.0' in body
+    kube.writes["replace Lease"] += 1
+    asyncio.run(server.metrics_view(None))  # type: ignore[arg-type]
+    assert sample(m, "finetune_api_writes_total", verb="replace", kind="Lease") == 7.0

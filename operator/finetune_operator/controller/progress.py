@@ -273,6 +273,7 @@ class ProgressServer:
         return web.Response(text="leader" if self.ready else "standby", status=200 if self.ready else 503)
 
     async def metrics_view(self, request: web.Request) -> web.Response:
+        self.metrics.mirror_api_calls(self.kube)
         return web.Response(body=generate_latest(self.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     def app(self) -> web.Application:

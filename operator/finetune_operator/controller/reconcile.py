@@ -245,12 +245,7 @@ class Reconciler:
         finally:
             self.metrics.reconciles.labels(result).inc()
             self.metrics.reconcile_seconds.observe(time.monotonic() - started)
-            for key, n in list(self.kube.writes.items()):
-                verb, kind = key.split(" ", 1)
-                self.metrics.api_writes.labels(verb, kind)._value.set(n)  # mirror the client's counter
-            for key, n in list(self.kube.reads.items()):
-                verb, resource = key.split(" ", 1)
-                self.metrics.api_reads.labels(verb, resource)._value.set(n)
+            self.metrics.mirror_api_calls(self.kube)
 
     def _report_error(self, namespace: str, name: str, err: Exception) -> None:
         """Make a failing reconcile visible in the job's status (best effort: the API may be what fails)."""
