@@ -4,6 +4,7 @@ runs (kwok plays kubelet), a pod-bound job token posts a full progress report, /
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -102,3 +103,52 @@ def test_reconciles_of_a_settled_job_read_only_from_the_watch_cache(kube: Kube, 
     reconciles, reads = figures()
     wait_for("two more reconciles (resync)", lambda: figures()[0] >= reconciles + 2, timeout=60)
     assert figures()[1] == reads, "a reconcile of the settled job read from the API server instead of the cache"
+
+
+def test_progress_writes_of_a_running_job_cost_no_reconcile(kube: Kube, namespace: str,
+                                                            operator: OperatorProcess) -> None:
+    """Each progress write comes back to the operator as a watch event of the job. For a running job that
+    event brings nothing a reconcile acts on, so none is queued (at 100 reporting jobs they were 20
+    reconciles a second). Six reports 1.1 s apart (flush interval 1 s: six writes) may meet one periodic
+    resync (every 15 s) per job alive and nothing else; before, each write added a reconcile."""
+    create(kube, namespace, ftj("quiet"))
+    wait_for("Running", lambda: phase_is(kube, namespace, "quiet", "Running"), timeout=120)
+    pod = worker_pods(kube, namespace, "quiet")[0]
+    token = _token(kube, namespace, pod, f"finetune.dev/progress/{namespace}/quiet")
+
+    def reconciles() -> float:
+        return sum(v for (n, _), v in samples(operator.metrics()).items() if n == "finetune_reconcile_total")
+
+    def step() -> Any:
+        got = kube.custom.get_namespaced_custom_object("finetune.dev", "v1alpha1", namespace, "finetunejobs", "quiet")
+        return (got.get("status") or {}).get("step")
+
+    # The first report moves nothing but progress too, yet let the job settle first (pods Ready, KubeRay's
+    # last status updates each queue a reconcile of their own).
+    assert operator.post(namespace, "quiet", {"rank": 0, "training": {"step": 1, "totalSteps": 100}}, token)[0] == 202
+    wait_for("step 1 shown", lambda: step() == "1/100", timeout=30)
+    last = [reconciles(), 0.0]
+
+    def quiet() -> bool:
+        now = reconciles()
+        if now != last[0]:
+            last[:] = [now, 0.0]
+            return False
+        last[1] += 1
+        return last[1] >= 3
+
+    wait_for("no reconciles for 3 s", quiet, timeout=90, interval=1.0)
+    # The reconcile counter is the operator's, over all jobs: each job alive may get one resync in the
+    # window (under 15 s), nothing else.
+    alive = len(kube.custom.list_cluster_custom_object("finetune.dev", "v1alpha1", "finetunejobs")["items"])
+    writes, before, started = 6, reconciles(), time.monotonic()
+    assert alive < writes
+    for n in range(2, 2 + writes):
+        code, text = operator.post(namespace, "quiet", {"rank": 0, "training": {"step": n, "totalSteps": 100}}, token)
+        assert code == 202, text
+        wait_for(f"step {n} shown", lambda n=n: step() == f"{n}/100", timeout=10, interval=0.1)
+        time.sleep(1.1)
+    took, extra = time.monotonic() - started, reconciles() - before
+    assert took < 15, f"the window took {took:.1f}s: more than one resync may fall in it"
+    assert extra <= alive, f"{writes} progress writes of a running job queued {extra} reconciles ({alive} jobs alive)"
+    assert phase_is(kube, namespace, "quiet", "Running")

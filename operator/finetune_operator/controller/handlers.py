@@ -44,7 +44,7 @@ def build_registry(queue: WorkQueue, reconciler: Reconciler, progress: ProgressS
         if _fed(cache, FTJ, kw):
             reconciler.forget(namespace, name)
             progress.forget(namespace, name)
-        else:
+        elif not reconciler.progress_only(namespace, name, kw["event"].get("object") or {}):
             queue.add(namespace, name)
 
     @kopf.on.event("ray.io", "v1", "rayjobs", labels={JOB_LABEL: kopf.PRESENT}, registry=registry)

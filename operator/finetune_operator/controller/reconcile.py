@@ -107,6 +107,15 @@ def drifted(want: Obj, cur: Obj) -> tuple[str, ...]:
                  if isinstance(v, (str, int, float, bool)) and have.get(k, type(v)()) != v)
 
 
+def settled_fingerprint(meta: Obj, status: Obj) -> str:
+    """A job as far as a reconcile is concerned: its identity, spec generation, metadata a user may change,
+    and its status without the progress fields."""
+    return json.dumps([meta.get("uid"), meta.get("generation"), meta.get("deletionTimestamp"), meta.get("labels"),
+                       meta.get("annotations"), meta.get("finalizers"),
+                       {k: v for k, v in status.items() if k not in PROGRESS_FIELDS and v is not None}],
+                      sort_keys=True, default=str)
+
+
 def plan_children(desired: list[Obj], observed: Mapping[str, Obj | None], owner_uid: str,
                   recorded: Mapping[str, str] | None = None) -> list[ChildAction]:
     """Pure: which children to (re)apply. `observed` and `recorded` (UIDs in status) are keyed by child name.
@@ -185,6 +194,9 @@ class Reconciler:
         self.ray_clusters: dict[tuple[str, str], str] = {}
         self._stall_checks: dict[tuple[str, str], float] = {}
         self.uids: dict[tuple[str, str], str] = {}  # the FinetuneJob object last reconciled under each name
+        # What the last reconcile of each job left it as (progress fields aside): a watch event of the job
+        # that brings nothing else (a progress write) needs no reconcile of a running job. See progress_only.
+        self._settled: dict[tuple[str, str], str] = {}
         # Shared children (the runtime ConfigMap) this process has seen owned by a job: (ns, name, owner uid).
         self._shared_owned: set[tuple[str, str, str]] = set()
 
@@ -200,12 +212,28 @@ class Reconciler:
 
     def forget(self, namespace: str, name: str) -> None:
         self.phases.pop((namespace, name), None)
+        self._settled.pop((namespace, name), None)
         self.uids.pop((namespace, name), None)
         self._stall_checks.pop((namespace, name), None)
         self.ray_clusters.pop((namespace, name), None)
         for uid in self._rayjob_uids.pop((namespace, name), set()):
             self.final_rayjob_status.pop(uid, None)
         self.metrics.forget(namespace, name)
+
+    def progress_only(self, namespace: str, name: str, obj: Obj) -> bool:
+        """Whether a watch event's FinetuneJob differs from what this job's last reconcile left only in the
+        progress fields (status.training/step/network/runtimePhase), while it runs and is not stalled: then a
+        reconcile would change nothing, and none is queued. At 100 reporting jobs each progress write came
+        back as a watch event and cost a full reconcile (20 a second). What progress does decide is still
+        reconciled: the first report of a starting job (it is not Running yet), the recovery of a stalled
+        one, network health (the flusher queues that itself), and the stall timer (scheduled separately)."""
+        seen = self._settled.get((namespace, name))
+        status: Obj = obj.get("status") or {}
+        if seen is None or status.get("phase") != Phase.running.value:
+            return False
+        if any(c.get("type") == STALLED and c.get("status") == "True" for c in status.get("conditions") or []):
+            return False
+        return settled_fingerprint(obj.get("metadata") or {}, status) == seen
 
     def observe_rayjob(self, namespace: str, job_name: str, rayjob: Obj, deleted: bool = False) -> None:
         """Called with every watched RayJob (also the DELETED event's last state)."""
@@ -343,6 +371,7 @@ class Reconciler:
         if resume:
             new.pop("stallRestartPending", None)  # written only once the RayJob has been told to resume
         self._write_status(body, prev, new)
+        self._settled[(namespace, name)] = settled_fingerprint(meta, new)
         if (fail or restart) and job is not None:
             # Release the Ray cluster (and its GPUs): KubeRay deletes it when the RayJob is suspended. After a
             # restart the reconciler resumes the RayJob once the cluster is gone (_stall_restart_resume).
