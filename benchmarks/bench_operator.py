@@ -186,6 +186,25 @@ async def report_progress(base_url: str, jobs: list[tuple[str, str, str]], secon
     await asyncio.gather(*(one(i, *j) for i, j in enumerate(jobs)))
 
 
+def histogram(text: str, name: str) -> dict[float, float]:
+    """A histogram's cumulative bucket counts by upper bound (inf included) from a /metrics text."""
+    out: dict[float, float] = {}
+    for line in text.splitlines():
+        m = re.match(rf'{name}_bucket\{{le="([^"]+)"\}} ([0-9.e+]+)', line)
+        if m:
+            out[float(m.group(1))] = float(m.group(2))
+    return out
+
+
+def bucket_quantile(cumulative: dict[float, float], q: float) -> float:
+    """The smallest bucket bound that holds at least a fraction q of the observations."""
+    total = cumulative.get(float("inf"), 0.0)
+    for le in sorted(cumulative):
+        if cumulative[le] >= q * total:
+            return le
+    return float("inf")
+
+
 def writes_from_metrics(text: str, leases: bool = True) -> dict[str, float]:
     out = {}
     for line in text.splitlines():
@@ -399,8 +418,11 @@ def main() -> int:
                 reporters.append((ns, n, pod_token(core, ns, pod, f"finetune.dev/progress/{ns}/{n}", 3600)))
             posted: dict[tuple[str, int], float] = {}
             codes: dict[int, int] = {}
+            delay_before = histogram(op.metrics(), "finetune_progress_write_delay_seconds")
             asyncio.run(report_progress(op.url, reporters, args.report_seconds, posted, codes, args.report_every))
             time.sleep(max(5.0, args.report_every))
+            delay_after = histogram(op.metrics(), "finetune_progress_write_delay_seconds")
+            delay = {le: n - delay_before.get(le, 0.0) for le, n in delay_after.items()}
             lat = [steps_seen[k] - t for k, t in posted.items() if k in steps_seen]
             # Freshness: for every POST, until a read shows that step or a later one (a step overtaken by the
             # next before it was written counts with the time the later one showed).
@@ -423,6 +445,10 @@ def main() -> int:
             if lat:
                 print(f"  that very step ({len(lat)} of {len(posted)} shown): p50 {statistics.median(lat):.3f} s  "
                       f"p99 {pct(lat, 0.99):.3f} s  max {max(lat):.3f} s")
+            if delay.get(float("inf")):
+                print(f"  the operator's share (report arrival -> status write answered, its histogram): "
+                      f"{delay[float('inf')]:.0f} writes, p50 <= {bucket_quantile(delay, 0.5):g} s, "
+                      f"p99 <= {bucket_quantile(delay, 0.99):g} s")
     finally:
         stop.set()
         op.stop()

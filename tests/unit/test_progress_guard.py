@@ -226,3 +226,9 @@ def test_progress_is_written_on_the_leading_edge_and_at_most_once_per_interval(m
         clock.now += 0.3  # the flusher gets to it late
         assert server.flush_once(due_only=True) == 1, n
     assert len(kube.patches) == 7
+    # Each write's delay from its report's arrival is on /metrics: the five late ones 0.3 s, step 4 (arrived
+    # at 4.9, written at 5.0) 0.1 s, the first 0 s.
+    reg = server.metrics.registry
+    assert reg.get_sample_value("finetune_progress_write_delay_seconds_count") == 7
+    assert reg.get_sample_value("finetune_progress_write_delay_seconds_sum") == pytest.approx(5 * 0.3 + 0.1)
+    assert reg.get_sample_value("finetune_progress_write_delay_seconds_bucket", {"le": "0.25"}) == 2

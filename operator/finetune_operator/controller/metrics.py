@@ -46,6 +46,12 @@ class Metrics:
         self.progress_reports = Counter(
             "finetune_progress_reports_total", "Progress POSTs by HTTP result.", ["code"], registry=r
         )
+        self.progress_write_delay = Histogram(
+            "finetune_progress_write_delay_seconds",
+            "From a progress report's arrival to the API server's answer to the status write that carries it "
+            "(the operator's share of the time until `kubectl get` shows it; the rest is the watch/read).",
+            registry=r, buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30),
+        )
         self.token_reviews = Counter(
             "finetune_progress_token_reviews_total", "TokenReviews the progress endpoint asked the API server for.",
             registry=r,

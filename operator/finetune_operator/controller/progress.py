@@ -342,6 +342,8 @@ class ProgressServer:
             p.dirty = True
             log.warning("progress flush for %s/%s failed: %s", ns, name, err)
             return False
+        if p.received > float("-inf"):
+            self.metrics.progress_write_delay.observe(time.monotonic() - p.last_flush)
         # Only the network figures feed a condition (NetworkHealthy); step/loss do not, so a
         # reconcile after every flush would be wasted work at scale.
         if p.network != p.flushed_network:
