@@ -243,8 +243,14 @@ def test_a_killed_worker_and_a_suspend_both_resume_from_the_last_checkpoint(real
 
     # 1. A worker container is killed (SIGKILL to its task in containerd) once a checkpoint exists.
     wait_for("the first checkpoint", lambda: checkpoint_step(real, ns, name) >= 10, timeout=1200, interval=1)
-    workers = real.core.list_namespaced_pod(ns, label_selector="ray.io/node-type=worker").items
-    assert workers, diagnose(real, ns)
+    # The victim must host a training worker: Ray may place one on the head and the other on whichever
+    # worker pod was up first, leaving a late one idle (a CI run killed such an idle pod, training never
+    # noticed, and the test waited for a resume that could not come). Ray prefixes a training worker's
+    # output on another node with that node's IP.
+    trainer_ips = set(re.findall(r"RayTrainWorker pid=\d+, ip=([0-9.]+)", job_log(real, ns)))
+    workers = [p for p in real.core.list_namespaced_pod(ns, label_selector="ray.io/node-type=worker").items
+               if p.status.pod_ip in trainer_ips]
+    assert workers, f"no worker pod hosts a training worker (their IPs: {trainer_ips}); {diagnose(real, ns)}"
     victim = workers[0]
     cid = victim.status.container_statuses[0].container_id.split("://", 1)[1]
     real.cluster.node.ctr(realnode.node_binaries(), "tasks", "kill", "--signal", "SIGKILL", cid)
