@@ -55,6 +55,10 @@ AUDIT_POLICY = f"""apiVersion: audit.k8s.io/v1
 kind: Policy
 omitStages: ["RequestReceived", "ResponseStarted"]
 rules:
+# An Event's name is generated: its body (involvedObject) says which job it is about.
+- level: Request
+  users: ["{OPERATOR_USER}"]
+  resources: [{{group: "", resources: ["events"]}}]
 - level: Metadata
   users: ["{OPERATOR_USER}"]
 - level: None
@@ -145,6 +149,8 @@ def audit_events(path: Path, since: float, until: float) -> list[dict[str, Any]]
 
 def job_of(ev: dict[str, Any], names: set[str]) -> str | None:
     name = (ev.get("objectRef") or {}).get("name") or ""
+    if not name and (ev.get("objectRef") or {}).get("resource") == "events":
+        name = ((ev.get("requestObject") or {}).get("involvedObject") or {}).get("name") or ""
     if name in names:
         return str(name)
     base = name.rsplit("-", 1)[0]  # <job>-config, <job>-head-xxxxx, ... (job names here have no suffix clash)

@@ -83,6 +83,7 @@ async def run(args: argparse.Namespace) -> int:
     from .controller.metrics import Metrics
     from .controller.progress import ProgressServer
     from .controller.reconcile import TERMINAL, Reconciler
+    from .controller.shared import RUNTIMES_KEY, namespaces_with_runtimes
     from .controller.workqueue import WorkQueue
     from .render.bundle import runtime_files
     from .render.config import RenderConfig
@@ -160,6 +161,18 @@ async def run(args: argparse.Namespace) -> int:
 
     queue.start()
 
+    async def collect_runtimes_after_start() -> None:
+        # Jobs deleted while no operator ran left their runtime ConfigMaps behind: look once, when the
+        # watches have filled the cache (controller/shared.py).
+        await asyncio.sleep(30)
+        try:
+            found = await asyncio.to_thread(namespaces_with_runtimes, kube, args.namespace or None)
+        except Exception as err:  # the next deletion in a namespace collects it anyway
+            log.warning("could not list runtime ConfigMaps: %s", err)
+            return
+        for ns in sorted(found):
+            queue.add(ns, RUNTIMES_KEY)
+
     async def resync() -> None:
         while True:
             await asyncio.sleep(args.resync_interval)
@@ -185,6 +198,8 @@ async def run(args: argparse.Namespace) -> int:
         asyncio.create_task(progress.flush_forever(), name="flush"),
         asyncio.create_task(resync(), name="resync"),
     ]
+    # Not among `tasks`: it ends after one look, which must not end the operator.
+    collector = asyncio.create_task(collect_runtimes_after_start(), name="collect-runtimes")
     waiters: list[asyncio.Task[Any]] = [asyncio.create_task(stop.wait())]
     if elector:
         waiters.append(asyncio.create_task(elector.hold()))
@@ -195,6 +210,7 @@ async def run(args: argparse.Namespace) -> int:
     metrics.leader.set(0)
     if not lost:  # a deposed leader writes nothing more, not even its last progress
         await asyncio.to_thread(progress.flush_once)
+    collector.cancel()
     for t in tasks + waiters:
         if t.get_name() != "kopf":
             t.cancel()

@@ -315,7 +315,7 @@ def test_deleting_a_running_job_leaves_nothing_behind(real: E2E, ns: str) -> Non
                 "ray.io", "v1", ns, "rayclusters")["items"]],
             "pods": [p.metadata.name for p in real.core.list_namespaced_pod(ns).items],
             "services": [s.metadata.name for s in real.core.list_namespaced_service(ns).items],
-            # The job's own ConfigMap and the shared runtime ConfigMap (garbage-collected with its last owner).
+            # The shared runtime ConfigMap (the operator collects it once no job of the namespace needs it).
             "configmaps": [c.metadata.name for c in real.core.list_namespaced_config_map(ns).items
                            if c.metadata.name != "kube-root-ca.crt"],
             "jobs": [j.metadata.name for j in client.BatchV1Api(real.core.api_client).list_namespaced_job(

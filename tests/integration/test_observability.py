@@ -85,7 +85,7 @@ def test_reconciles_of_a_settled_job_read_only_from_the_watch_cache(kube: Kube, 
         return s[("finetune_reconcile_total", frozenset({("result", "ok")}))], reads
 
     got = samples(operator.metrics())
-    for resource in ("finetunejobs", "rayjobs", "rayclusters", "pods", "configmaps", "nodes"):
+    for resource in ("finetunejobs", "rayjobs", "rayclusters", "pods", "nodes"):
         assert got[("finetune_cache_objects", frozenset({("resource", resource)}))] >= 1, resource
     assert figures()[1] > 0  # the counter counts: the first reconciles primed the cache with live reads
     # Settled: no such read for 5 s (pods becoming ready, KubeRay's last status updates).

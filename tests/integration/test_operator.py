@@ -147,9 +147,15 @@ def test_starting_until_the_ray_job_runs(kube: Kube, namespace: str, operator: O
     assert condition(st, "Running")["reason"] == "RayJobRunning"  # type: ignore[index]
 
 
+def our_managed_fields(obj: dict[str, Any]) -> list[str]:
+    return sorted(str(e.get("operation")) for e in obj["metadata"].get("managedFields") or []
+                  if e.get("manager") == "finetune-operator")
+
+
 def test_children_changed_outside_the_operator_are_reverted(kube: Kube, namespace: str, operator: OperatorProcess) -> None:
-    """`kubectl edit` on a child (the RayJob's spec, the job's ConfigMap) is drift: the operator re-applies
-    what the FinetuneJob says and posts a Warning Event DriftReverted naming the fields (issue 9)."""
+    """`kubectl edit` on the RayJob's spec is drift: the operator re-applies what the FinetuneJob says and
+    posts a Warning Event DriftReverted naming the fields (issue 9). The RayJob was created by a POST: the
+    first re-apply makes the create's fields the operator's applied ones (Kube.own_for_apply)."""
     create(kube, namespace, ftj("drift"))
     wait_for("Running", lambda: phase_is(kube, namespace, "drift", "Running"), timeout=120)
 
@@ -158,20 +164,67 @@ def test_children_changed_outside_the_operator_are_reverted(kube: Kube, namespac
                 if e.reason == "DriftReverted" and e.type == "Warning"]
     # KubeRay's own updates (its finalizer; its Go structs drop `suspend: false`) are no drift.
     assert drift_events() == []
-    # ConfigMaps are not watched: their drift is found by the next reconcile of the job (any event of it, or
-    # the periodic resync); here the RayJob's edit, which is watched, comes right after.
-    def backoff_limit() -> int:
-        return int(kube.custom.get_namespaced_custom_object("ray.io", "v1", namespace, "rayjobs", "drift")["spec"]["backoffLimit"])
-    rendered = backoff_limit()  # from the FinetuneJob's spec.backoffLimit
-    kube.core.patch_namespaced_config_map("drift-config", namespace, {"data": {"job.yaml": "edited: by hand\n"}})
+
+    def rayjob() -> dict[str, Any]:
+        return kube.custom.get_namespaced_custom_object("ray.io", "v1", namespace, "rayjobs", "drift")  # type: ignore[no-any-return]
+    assert our_managed_fields(rayjob()) == ["Update"]  # created by a POST
+    rendered = int(rayjob()["spec"]["backoffLimit"])  # from the FinetuneJob's spec.backoffLimit
     kube.custom.patch_namespaced_custom_object("ray.io", "v1", namespace, "rayjobs", "drift",
                                                {"spec": {"backoffLimit": rendered + 3}})
-    wait_for("RayJob spec reverted", lambda: backoff_limit() == rendered, timeout=60)
-    wait_for("ConfigMap data reverted", lambda: "edited: by hand" not in
-             kube.core.read_namespaced_config_map("drift-config", namespace).data["job.yaml"], timeout=60)
+    wait_for("RayJob spec reverted", lambda: int(rayjob()["spec"]["backoffLimit"]) == rendered, timeout=60)
     drift = drift_events()
-    assert any("spec.backoffLimit" in m for m in drift) and any("ConfigMap drift-config" in m for m in drift), drift
+    assert any("RayJob drift" in m and "spec.backoffLimit" in m for m in drift), drift
+    assert our_managed_fields(rayjob()) == ["Apply"]
     assert phase_is(kube, namespace, "drift", "Running")
+
+
+def test_a_field_the_render_drops_is_removed_from_a_rayjob_created_by_post(kube: Kube, namespace: str,
+                                                                            operator: OperatorProcess) -> None:
+    """Server-side apply removes only fields its own earlier apply set. The RayJob is created by a POST (one
+    request, and it never takes over an object of the name): without Kube.own_for_apply a field set at
+    creation that the render later drops (spec.activeDeadlineSeconds removed from the job) would stay."""
+    create(kube, namespace, ftj("dropped", activeDeadlineSeconds=86400))
+
+    def rayjob_spec() -> dict[str, Any]:
+        try:
+            return kube.custom.get_namespaced_custom_object("ray.io", "v1", namespace, "rayjobs", "dropped")["spec"]  # type: ignore[no-any-return]
+        except ApiException as err:
+            if err.status == 404:
+                return {}
+            raise
+    wait_for("RayJob", lambda: rayjob_spec().get("activeDeadlineSeconds") == 86400, timeout=60)
+    kube.custom.patch_namespaced_custom_object(G, V, namespace, P, "dropped", {"spec": {"activeDeadlineSeconds": None}})
+    wait_for("activeDeadlineSeconds removed from the RayJob",
+             lambda: rayjob_spec() and "activeDeadlineSeconds" not in rayjob_spec(), timeout=60)
+
+
+def test_a_rayjob_of_the_jobs_name_that_is_not_its_own_is_never_taken_over(kube: Kube, namespace: str,
+                                                                          operator: OperatorProcess) -> None:
+    """The RayJob is created with a POST, which the API server refuses when the name is taken: a user's
+    hand-written RayJob of the same name blocks the job (ChildConflict) and stays as it was; once it is
+    deleted, the job proceeds."""
+    theirs = {"apiVersion": "ray.io/v1", "kind": "RayJob", "metadata": {"name": "taken", "labels": {"team": "a"}},
+              "spec": {"entrypoint": "echo hi", "suspend": True, "rayClusterSpec": {"headGroupSpec": {
+                  "rayStartParams": {}, "template": {"spec": {"containers": [{"name": "ray-head", "image": "x"}]}}}}}}
+    kube.custom.create_namespaced_custom_object("ray.io", "v1", namespace, "rayjobs", theirs)
+    create(kube, namespace, ftj("taken"))
+    st = wait_for("Blocked by the user's RayJob",
+                  lambda: (c := condition(status(kube, namespace, "taken"), "Blocked")) and c["status"] == "True" and c,
+                  timeout=60)
+    assert st["reason"] == "ChildConflict", st  # type: ignore[index]
+    assert "RayJob taken already exists and is not owned by this FinetuneJob" in st["message"], st  # type: ignore[index]
+    rj = kube.custom.get_namespaced_custom_object("ray.io", "v1", namespace, "rayjobs", "taken")
+    assert rj["metadata"]["labels"] == {"team": "a"} and not rj["metadata"].get("ownerReferences")
+    assert our_managed_fields(rj) == [] and rj["spec"]["entrypoint"] == "echo hi"
+    kube.custom.delete_namespaced_custom_object("ray.io", "v1", namespace, "rayjobs", "taken")
+
+    def ours() -> Any:
+        try:
+            got = kube.custom.get_namespaced_custom_object("ray.io", "v1", namespace, "rayjobs", "taken")
+        except ApiException:
+            return None
+        return got if got["metadata"].get("labels", {}).get("finetune.dev/job") == "taken" else None
+    wait_for("the job's own RayJob once the name is free", ours, timeout=120)
 
 
 def test_three_workers_on_two_nodes_wait_then_proceed(kube: Kube, namespace: str, operator: OperatorProcess,
@@ -288,7 +341,7 @@ def test_operator_killed_mid_reconcile_makes_no_duplicates(kube: Kube, namespace
     st = wait_for("Running after restart", lambda: phase_is(kube, namespace, "crash", "Running"), timeout=180)
     (rj,) = rayjobs(kube, namespace)  # the one created before the crash, adopted: not a second one
     assert rj["metadata"]["name"] == "crash" and st["rayJobUID"] == rj["metadata"]["uid"]  # type: ignore[index]
-    assert st["rayJobName"] == "crash" and st["configMapName"] == "crash-config"  # type: ignore[index]
+    assert st["rayJobName"] == "crash"  # type: ignore[index]
     assert len(rayclusters(kube, namespace)) == 1
     operator.kill()  # and once more, mid-flight with children present
     operator.start()
@@ -499,35 +552,51 @@ def test_operator_enforces_the_allow_list_for_jobs_admission_let_through(kube: K
 
 def test_runtime_config_map_is_shared_immutable_and_collected_with_its_last_job(
         kube: Kube, namespace: str, operator: OperatorProcess) -> None:
+    """One runtime ConfigMap per namespace and version, with no owners (no patch per job): the operator
+    deletes it once no job needs it (controller/shared.py). It also collects the ConfigMap of a runtime
+    version nothing runs any more, and leaves alone one that has owners (an earlier version's, which the
+    garbage collector handles)."""
+    runtime = {"app.kubernetes.io/managed-by": "finetune-operator", "finetune.dev/runtime": "0ld000000000"}
+    kube.core.create_namespaced_config_map(namespace, client.V1ConfigMap(
+        metadata=client.V1ObjectMeta(name="finetune-runtime-0ld000000000", labels=runtime), data={"x": "y"},
+        immutable=True))
     create(kube, namespace, ftj("one"))
     create(kube, namespace, ftj("two"))
 
-    def shared() -> Any:
-        cms = kube.core.list_namespaced_config_map(namespace, label_selector="finetune.dev/runtime").items
-        return cms if len(cms) == 1 and len(cms[0].metadata.owner_references or []) == 2 else None
+    def current() -> Any:
+        cms = [c for c in kube.core.list_namespaced_config_map(namespace, label_selector="finetune.dev/runtime").items
+               if c.metadata.name != "finetune-runtime-0ld000000000"]
+        return cms if len(cms) == 1 and len(rayjobs(kube, namespace)) == 2 else None
 
-    (cm,) = wait_for("one runtime ConfigMap owned by both jobs", shared, timeout=60)  # type: ignore[misc]
+    (cm,) = wait_for("one runtime ConfigMap for both jobs", current, timeout=60)  # type: ignore[misc]
     assert cm.immutable is True and cm.metadata.name.startswith("finetune-runtime-")
+    assert not cm.metadata.owner_references  # nothing patched per job
+    digest = cm.metadata.labels["finetune.dev/runtime"]
+    legacy = kube.core.create_namespaced_config_map(namespace, client.V1ConfigMap(
+        metadata=client.V1ObjectMeta(name="finetune-runtime-1e6ac9000000", labels={**runtime, "finetune.dev/runtime": "1e6ac9000000"},
+                                     owner_references=[client.V1OwnerReference(
+                                         api_version=f"{G}/{V}", kind="FinetuneJob", name="two",
+                                         uid=get(kube, namespace, "two")["metadata"]["uid"])]),
+        data={"x": "y"}, immutable=True))
     with pytest.raises(ApiException) as err:  # nobody, not even an admin, changes code under a trainer
         kube.core.patch_namespaced_config_map(cm.metadata.name, namespace, {"data": {"x": "y"}})
     assert err.value.status == 422 and "field is immutable" in err.value.body
     for name in ("one", "two"):
         (rj,) = [r for r in rayjobs(kube, namespace) if r["metadata"]["name"] == name]
+        assert rj["metadata"]["labels"]["finetune.dev/runtime"] == digest
         vols = rj["spec"]["rayClusterSpec"]["workerGroupSpecs"][0]["template"]["spec"]["volumes"]
         assert next(v for v in vols if v["name"] == "finetune-runtime")["configMap"]["name"] == cm.metadata.name
+
+    def names() -> set[str]:
+        return {c.metadata.name for c in kube.core.list_namespaced_config_map(
+            namespace, label_selector="finetune.dev/runtime").items}
     kube.custom.delete_namespaced_custom_object(G, V, namespace, P, "one")
-    time.sleep(5)
-    assert kube.core.read_namespaced_config_map(cm.metadata.name, namespace)  # still used by "two"
+    # A deletion in the namespace collects what nothing uses: the old version's ConfigMap goes, the current
+    # one stays for "two", and the one with an owner is the garbage collector's.
+    wait_for("the unused old runtime collected", lambda: "finetune-runtime-0ld000000000" not in names(), timeout=90)
+    assert names() == {cm.metadata.name, legacy.metadata.name}
     kube.custom.delete_namespaced_custom_object(G, V, namespace, P, "two")
-
-    def gone() -> bool:
-        try:
-            kube.core.read_namespaced_config_map(cm.metadata.name, namespace)
-            return False
-        except ApiException as e:
-            return e.status == 404
-
-    wait_for("runtime ConfigMap collected with its last job", gone, timeout=90)
+    wait_for("runtime ConfigMaps collected with their last job", lambda: names() == set(), timeout=120)
 
 
 def test_forged_token_flood_costs_no_leadership_and_no_genuine_report(kube: Kube, namespace: str,

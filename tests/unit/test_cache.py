@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from finetune_operator.controller.cache import Cache, Store
-from finetune_operator.controller.k8s import CONFIGMAPS, FTJ, NODES, PODS, RAYCLUSTER, RAYJOB
+from finetune_operator.controller.k8s import FTJ, NODES, PODS, RAYCLUSTER, RAYJOB
 
 Obj = dict[str, Any]
 
@@ -79,10 +79,11 @@ def test_reads_are_copies_and_objects_are_kept_slim() -> None:
 
 
 def test_only_what_the_watch_delivers_is_kept() -> None:
-    # The shared runtime ConfigMap carries no job label: no watch event would ever update or delete it.
-    store = Store(CONFIGMAPS)
-    store.upsert(obj("ConfigMap", "finetune-runtime-abc", 1, labels={"finetune.dev/runtime": "abc"}))
-    assert store.get("ns", "finetune-runtime-abc") is None
+    # A user's RayJob carries no job label (the answer to a live GET may bring it): no watch event would
+    # ever update or delete it.
+    store = Store(RAYJOB)
+    store.upsert(obj("RayJob", "hand-written", 1, labels={"team": "a"}))
+    assert store.get("ns", "hand-written") is None
     nodes = Store(NODES)
     nodes.upsert(obj("Node", "cpu-1", 1, ns="", labels={}))
     nodes.upsert(obj("Node", "gpu-1", 1, ns="", labels={"node.kubernetes.io/instance-type": "g6.12xlarge"}))

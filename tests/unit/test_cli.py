@@ -57,10 +57,10 @@ def test_render_seed_example() -> None:
     out = finetune("render", "examples/qwen2.5-1.5b-g6-efa.yaml", "--namespace", "ml")
     assert out.returncode == 0, out.stderr
     docs = list(yaml.safe_load_all(out.stdout))
-    assert [d["kind"] for d in docs] == ["ConfigMap", "ConfigMap", "RayJob"]
-    runtime = docs[1]["data"]
+    assert [d["kind"] for d in docs] == ["ConfigMap", "RayJob"]
+    runtime = docs[0]["data"]
     assert "finetune_training____main__.py" in runtime
-    (group,) = docs[2]["spec"]["rayClusterSpec"]["workerGroupSpecs"]
+    (group,) = docs[1]["spec"]["rayClusterSpec"]["workerGroupSpecs"]
     assert group["replicas"] == 2
     limits = group["template"]["spec"]["containers"][0]["resources"]["limits"]
     assert limits["nvidia.com/gpu"] == "4" and limits["vpc.amazonaws.com/efa"] == "1" and "hugepages-2Mi" in limits

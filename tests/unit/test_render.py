@@ -9,8 +9,9 @@ import pytest
 import yaml
 from finetune_operator import instance_types as it
 from finetune_operator.api.validation import SpecError, parse_job
-from finetune_operator.render.config import RenderConfig, progress_audience
+from finetune_operator.render.config import CONFIG_KEY, CONFIG_MOUNT, RenderConfig, progress_audience
 from finetune_operator.render.rayjob import (
+    CONFIG_ANNOTATION,
     is_shared,
     render_children,
     render_rayjob,
@@ -224,23 +225,38 @@ def test_user_env_overrides_defaults_and_extras_are_kept() -> None:
 def test_children_are_labelled_and_owned() -> None:
     doc = JobDoc(name="owned").obj()
     doc["metadata"]["uid"] = "u-1"
-    for obj in render_children(parse_job(doc), FAKE_RUNTIME, CFG):
-        meta = obj["metadata"]
-        assert meta["labels"]["app.kubernetes.io/managed-by"] == "finetune-operator"
-        (ref,) = meta["ownerReferences"]
-        assert ref["uid"] == "u-1" and ref["kind"] == "FinetuneJob"
-        if is_shared(obj):  # the runtime ConfigMap: one owner among the jobs that share it
-            assert ref["controller"] is False and meta["labels"]["finetune.dev/runtime"]
-        else:
-            assert meta["labels"]["finetune.dev/job"] == "owned" and ref["controller"] is True
+    runtime, rayjob = render_children(parse_job(doc), FAKE_RUNTIME, CFG)
+    for obj in (runtime, rayjob):
+        assert obj["metadata"]["labels"]["app.kubernetes.io/managed-by"] == "finetune-operator"
+    # The runtime ConfigMap is shared and has no owners: the operator collects it (controller/shared.py).
+    assert is_shared(runtime) and "ownerReferences" not in runtime["metadata"] and not is_shared(rayjob)
+    (ref,) = rayjob["metadata"]["ownerReferences"]
+    assert ref["uid"] == "u-1" and ref["kind"] == "FinetuneJob" and ref["controller"] is True
+    digest = runtime["metadata"]["labels"]["finetune.dev/runtime"]
+    # The RayJob (and, through KubeRay, its RayCluster) and every Ray pod name the runtime they mount.
+    assert rayjob["metadata"]["labels"]["finetune.dev/job"] == "owned"
+    assert rayjob["metadata"]["labels"]["finetune.dev/runtime"] == digest
+    for group in (rayjob["spec"]["rayClusterSpec"]["headGroupSpec"], workers(rayjob)):
+        assert group["template"]["metadata"]["labels"]["finetune.dev/runtime"] == digest
 
 
-def test_config_map_carries_the_resolved_job() -> None:
-    cm = render_children(parse_job(JobDoc(name="cfg").obj()), FAKE_RUNTIME, CFG)[0]
-    job = yaml.safe_load(cm["data"]["job.yaml"])
-    reparsed = parse_job(job)
-    assert reparsed.spec == parse_job(JobDoc(name="cfg").obj()).spec
-    assert job["spec"]["training"]["fsdp"]["shardingStrategy"] == "hybrid"  # defaults are resolved
+def test_the_ray_pods_carry_the_resolved_job_and_mount_it() -> None:
+    """No ConfigMap of its own: the resolved job is an annotation of the Ray pod templates (KubeRay copies
+    template metadata onto the pods) and a downwardAPI volume shows it where the entrypoint reads it."""
+    rayjob = rayjob_for(JobDoc(name="cfg").obj())
+    assert rayjob["spec"]["entrypoint"] == f"python3 -m finetune_training --config {CONFIG_MOUNT}/{CONFIG_KEY}"
+    for group in (rayjob["spec"]["rayClusterSpec"]["headGroupSpec"], workers(rayjob)):
+        job = yaml.safe_load(group["template"]["metadata"]["annotations"][CONFIG_ANNOTATION])
+        reparsed = parse_job(job)
+        assert reparsed.spec == parse_job(JobDoc(name="cfg").obj()).spec
+        assert job["spec"]["training"]["fsdp"]["shardingStrategy"] == "hybrid"  # defaults are resolved
+        assert "suspend" not in job["spec"]  # the operator's business: suspending leaves the pods' config alone
+        vol = next(v for v in group["template"]["spec"]["volumes"] if v["name"] == "finetune-config")
+        assert vol == {"name": "finetune-config", "downwardAPI": {"items": [
+            {"path": CONFIG_KEY, "fieldRef": {"fieldPath": f"metadata.annotations['{CONFIG_ANNOTATION}']"}}]}}
+        assert {"name": "finetune-config", "mountPath": CONFIG_MOUNT, "readOnly": True} in container(group)["volumeMounts"]
+    suspended = rayjob_for(JobDoc(name="cfg").set("spec.suspend", True).obj())
+    assert suspended["spec"]["rayClusterSpec"] == rayjob["spec"]["rayClusterSpec"]
 
 
 CLEANUP = [
@@ -328,8 +344,7 @@ def test_runtime_config_map_is_content_addressed_immutable_and_shared() -> None:
     assert ra["metadata"]["name"].startswith("finetune-runtime-") and ra["immutable"] is True
     assert ra["data"] == rb["data"]
     assert "finetune.dev/job" not in ra["metadata"]["labels"] and is_shared(ra)
-    (owner,) = ra["metadata"]["ownerReferences"]
-    assert owner["uid"] == "uid-a" and owner["controller"] is False  # one owner among several
+    assert "ownerReferences" not in ra["metadata"]  # shared: collected by the operator, not by owners
     changed = {**FAKE_RUNTIME, "finetune_training/__init__.py": "# runtime v2\n"}
     assert runtime_config_map_name(changed) != runtime_config_map_name(FAKE_RUNTIME)
     vol = next(v for v in workers(rayjob_for(JobDoc().obj()))["template"]["spec"]["volumes"] if v["name"] == "finetune-runtime")

@@ -29,7 +29,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..render.rayjob import INSTANCE_LABEL, JOB_LABEL
-from .k8s import CONFIGMAPS, FTJ, NODES, PODS, RAYCLUSTER, RAYJOB, Kube
+from .k8s import FTJ, NODES, PODS, RAYCLUSTER, RAYJOB, Kube
 
 Obj = dict[str, Any]
 Gvr = tuple[str, str, str]
@@ -83,7 +83,6 @@ SLIM: dict[Gvr, Callable[[Obj], Obj]] = {
     RAYCLUSTER: _slim_raycluster,
     PODS: _slim_pod,
     NODES: _slim_node,
-    CONFIGMAPS: _slim_plain,
 }
 # The label selector of each resource's watch (handlers.py gives kopf the same): a store holds only objects
 # its watch delivers, so it never keeps one no event will ever update or delete.
@@ -93,10 +92,8 @@ WATCH_SELECTORS: dict[Gvr, str | None] = {
     RAYCLUSTER: JOB_LABEL,
     PODS: JOB_LABEL,
     NODES: INSTANCE_LABEL,
-    CONFIGMAPS: JOB_LABEL,
 }
-KINDS: dict[str, Gvr] = {"FinetuneJob": FTJ, "RayJob": RAYJOB, "RayCluster": RAYCLUSTER, "Pod": PODS, "Node": NODES,
-                         "ConfigMap": CONFIGMAPS}
+KINDS: dict[str, Gvr] = {"FinetuneJob": FTJ, "RayJob": RAYJOB, "RayCluster": RAYCLUSTER, "Pod": PODS, "Node": NODES}
 
 
 def _rv(obj: Obj) -> int:
@@ -145,7 +142,7 @@ class Store:
 
     def upsert(self, obj: Obj) -> None:
         if not matches(obj, self.terms):
-            return  # not what the watch delivers (e.g. the shared runtime ConfigMap): never kept
+            return  # not what the watch delivers (e.g. a user's RayJob a live GET found): never kept
         key, rv = self.key(obj), _rv(obj)
         with self._lock:
             cur = self._objects.get(key)

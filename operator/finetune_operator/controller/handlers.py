@@ -15,12 +15,16 @@ import kopf
 from ..api import spec as s
 from ..render.rayjob import JOB_LABEL
 from .cache import WATCH_SELECTORS, Cache
-from .k8s import CONFIGMAPS, FTJ, NODES, PODS, RAYCLUSTER, RAYJOB
+from .k8s import FTJ, NODES, PODS, RAYCLUSTER, RAYJOB
 from .progress import ProgressServer
 from .reconcile import TERMINAL, Reconciler
+from .shared import RUNTIMES_KEY
 from .workqueue import WorkQueue
 
 NODE_DEBOUNCE_SECONDS = 10.0
+# After a job, RayJob or RayCluster is deleted, its namespace's unused runtime ConfigMaps are collected
+# (shared.py) once things have settled: a burst of deletions costs one collection.
+COLLECT_DELAY_SECONDS = 10.0
 
 
 def _fed(cache: Cache | None, gvr: tuple[str, str, str], kw: dict[str, Any]) -> bool:
@@ -37,6 +41,14 @@ def build_registry(queue: WorkQueue, reconciler: Reconciler, progress: ProgressS
     """The watches: each event feeds the read cache (cache.py) first, then queues its job's reconcile."""
     registry = kopf.OperatorRegistry()
     last_node_sweep = [0.0]
+    collect_due: dict[str, float] = {}
+
+    def collect_later(namespace: str) -> None:
+        now = time.monotonic()
+        if collect_due.get(namespace, 0.0) > now:
+            return  # one is scheduled already, and will see this deletion too
+        collect_due[namespace] = now + COLLECT_DELAY_SECONDS
+        queue.add_after(namespace, RUNTIMES_KEY, COLLECT_DELAY_SECONDS)
 
     @kopf.on.event(s.GROUP, s.VERSION, s.PLURAL, registry=registry)
     def finetunejob(**kw: Any) -> None:
@@ -44,6 +56,7 @@ def build_registry(queue: WorkQueue, reconciler: Reconciler, progress: ProgressS
         if _fed(cache, FTJ, kw):
             reconciler.forget(namespace, name)
             progress.forget(namespace, name)
+            collect_later(namespace)
         elif not reconciler.progress_only(namespace, name, kw["event"].get("object") or {}):
             queue.add(namespace, name)
 
@@ -53,18 +66,15 @@ def build_registry(queue: WorkQueue, reconciler: Reconciler, progress: ProgressS
         reconciler.observe_rayjob(kw["namespace"], kw["labels"][JOB_LABEL], kw["event"].get("object") or {},
                                   deleted=deleted)
         queue.add(kw["namespace"], kw["labels"][JOB_LABEL])
+        if deleted:
+            collect_later(kw["namespace"])
 
     @kopf.on.event("ray.io", "v1", "rayclusters", labels={JOB_LABEL: kopf.PRESENT}, registry=registry)
     def raycluster(**kw: Any) -> None:
         # KubeRay copies the RayJob's labels onto its RayCluster: its conditions (ReplicaFailure) and
         # worker counts are seen as they change.
-        _fed(cache, RAYCLUSTER, kw)
-        queue.add(kw["namespace"], kw["labels"][JOB_LABEL])
-
-    @kopf.on.event("", "v1", "configmaps", labels={JOB_LABEL: kopf.PRESENT}, registry=registry)
-    def configmap(**kw: Any) -> None:
-        # The job's own ConfigMap: an edit outside the operator is reverted at once (drift).
-        _fed(cache, CONFIGMAPS, kw)
+        if _fed(cache, RAYCLUSTER, kw):
+            collect_later(kw["namespace"])
         queue.add(kw["namespace"], kw["labels"][JOB_LABEL])
 
     @kopf.on.event("", "v1", "pods", labels={JOB_LABEL: kopf.PRESENT}, registry=registry)

@@ -247,15 +247,51 @@ class Kube:
                            content_type=content_type, fenced=fenced)
 
     def create(self, gvr: tuple[str, str, str], namespace: str | None, body: Obj, kind: str) -> Obj:
-        return self._write("create", kind, "POST", _path(gvr, namespace), body=body)
+        """POST: fails with 409 if any object holds the name (never takes one over), in one request."""
+        return self._write("create", kind, "POST", _path(gvr, namespace), body=body,
+                           query={"fieldManager": FIELD_MANAGER})
+
+    def own_for_apply(self, obj: Obj) -> bool:
+        """Before the first server-side apply to an object this operator created with a POST: make the
+        fields the create set owned by the operator's *apply* (managedFields operation Update -> Apply).
+        Server-side apply keys field ownership by manager and operation, so without this a field the
+        renderer stops producing would stay (owned by the create) instead of being removed. One GET, and a
+        JSON patch only when there is an Update entry of ours and no Apply entry (what client-go's
+        csaupgrade does for kubectl). Returns whether it patched."""
+        meta = obj["metadata"]
+        gvr, ns, name = gvr_of(obj), meta.get("namespace"), meta["name"]
+        live = self.get(gvr, ns, name)
+        if live is None:
+            return False
+        entries = live["metadata"].get("managedFields") or []
+        ours = [(i, e) for i, e in enumerate(entries) if e.get("manager") == FIELD_MANAGER]
+        if any(e.get("operation") == "Apply" for _, e in ours):
+            return False
+        created = [(i, e) for i, e in ours if e.get("operation") == "Update" and not e.get("subresource")]
+        if not created:
+            return False
+        i = created[0][0]
+        ops = [{"op": "test", "path": "/metadata/resourceVersion", "value": live["metadata"]["resourceVersion"]},
+               {"op": "test", "path": f"/metadata/managedFields/{i}/manager", "value": FIELD_MANAGER},
+               {"op": "replace", "path": f"/metadata/managedFields/{i}/operation", "value": "Apply"}]
+        try:
+            self.patch(gvr, ns or "default", name, ops, obj["kind"], content_type="application/json-patch+json")  # type: ignore[arg-type]
+        except ApiError as err:
+            if err.status not in (409, 422):  # changed meanwhile: the apply that follows still lands
+                raise
+            return False
+        return True
 
     def replace(self, gvr: tuple[str, str, str], namespace: str | None, name: str, body: Obj, kind: str) -> Obj:
         return self._write("update", kind, "PUT", _path(gvr, namespace, name), body=body)
 
-    def delete(self, gvr: tuple[str, str, str], namespace: str, name: str, kind: str) -> None:
+    def delete(self, gvr: tuple[str, str, str], namespace: str, name: str, kind: str, uid: str | None = None) -> None:
+        """Delete (gone already is fine). With `uid`, only that very object (409 if the name now holds another)."""
+        body: Obj = {"propagationPolicy": "Background"}
+        if uid:
+            body["preconditions"] = {"uid": uid}
         try:
-            self._write("delete", kind, "DELETE", _path(gvr, namespace, name),
-                        body={"propagationPolicy": "Background"})
+            self._write("delete", kind, "DELETE", _path(gvr, namespace, name), body=body)
         except ApiError as err:
             if err.status != 404:
                 raise

@@ -23,13 +23,13 @@ from ..api.policy import policy_issues
 from ..api.status import Phase
 from ..api.validation import SpecError, parse_job
 from ..render.config import RenderConfig
-from ..render.rayjob import JOB_LABEL, child_names, is_shared, render_children, suspension_patch
+from ..render.rayjob import JOB_LABEL, child_names, is_shared, render_children, runtime_hash, suspension_patch
 from .cache import Cache
 from .clusterconfig import ClusterConfig
 from .k8s import FTJ, NODES, PODS, RAYCLUSTER, RAYJOB, ApiError, Kube, ObjectReplaced, gvr_of
 from .metrics import Metrics
 from .preflight import check_capacity
-from .shared import ensure_shared
+from .shared import RUNTIMES_KEY, Runtimes
 from .status import (
     BLOCKED,
     PROGRESS_FIELDS,
@@ -197,12 +197,17 @@ class Reconciler:
         # What the last reconcile of each job left it as (progress fields aside): a watch event of the job
         # that brings nothing else (a progress write) needs no reconcile of a running job. See progress_only.
         self._settled: dict[tuple[str, str], str] = {}
-        # Shared children (the runtime ConfigMap) this process has seen owned by a job: (ns, name, owner uid).
-        self._shared_owned: set[tuple[str, str, str]] = set()
+        # Shared children (the runtime ConfigMaps): created once per namespace, collected when unused.
+        self.runtimes = Runtimes(kube)
 
     # ------------------------------------------------------------------------------------------ reads
     def _get(self, gvr: tuple[str, str, str], namespace: str | None, name: str) -> Obj | None:
         return self.cache.get(gvr, namespace, name) if self.cache else self.kube.get(gvr, namespace, name)
+
+    def _peek(self, gvr: tuple[str, str, str], namespace: str | None, name: str) -> Obj | None:
+        """From the cache only (its first read in a namespace is a LIST that primes it): for a child that,
+        when missing, is created with a POST, which fails rather than take over one the cache did not see."""
+        return self.cache.lookup(gvr, namespace or "default", name) if self.cache else self.kube.get(gvr, namespace, name)
 
     def _get_live(self, gvr: tuple[str, str, str], namespace: str | None, name: str) -> Obj | None:
         return self.cache.get_live(gvr, namespace, name) if self.cache else self.kube.get(gvr, namespace, name)
@@ -255,6 +260,9 @@ class Reconciler:
 
     def reconcile(self, namespace: str, name: str) -> str | None:
         """Returns the phase after reconciling (None if the job is gone)."""
+        if name == RUNTIMES_KEY:
+            self.collect_runtimes(namespace)
+            return None
         started = time.monotonic()
         result = "ok"
         try:
@@ -274,6 +282,14 @@ class Reconciler:
             self.metrics.reconciles.labels(result).inc()
             self.metrics.reconcile_seconds.observe(time.monotonic() - started)
             self.metrics.mirror_api_calls(self.kube)
+
+    def collect_runtimes(self, namespace: str) -> list[str]:
+        """Delete the namespace's runtime ConfigMaps no job needs any more (shared.py), from the cache's view
+        of its jobs, RayJobs and RayClusters."""
+        jobs = [j for j in self._list(FTJ, namespace, "") if (j.get("status") or {}).get("phase") not in TERMINAL
+                and not (j.get("metadata") or {}).get("deletionTimestamp")]
+        holders = self._list(RAYJOB, namespace, JOB_LABEL) + self._list(RAYCLUSTER, namespace, JOB_LABEL)
+        return self.runtimes.collect(namespace, jobs, holders, runtime_hash(self.runtime_files))
 
     def _report_error(self, namespace: str, name: str, err: Exception) -> None:
         """Make a failing reconcile visible in the job's status (best effort: the API may be what fails)."""
@@ -459,22 +475,35 @@ class Reconciler:
             observed.spec_issues = err.issues
             return
         for obj in [o for o in desired if is_shared(o)]:
-            key = (ns, obj["metadata"]["name"], uid)
-            if key not in self._shared_owned:  # once per job and process: it only ever gains owners
-                known = any(k[:2] == key[:2] for k in self._shared_owned)
-                ensure_shared(self.kube, obj, exists=known)
-                self._shared_owned.add(key)
+            self.runtimes.ensure(obj)  # once per namespace and process
         desired = [o for o in desired if not is_shared(o)]
         # The RayJob observed above is the one judged: a second GET could see it gone and lead to its
         # re-creation (apply is create-or-update); the recorded UID in the apply body closes that race.
+        # An unrecorded child is looked up in the cache only: if it is missing there, a POST creates it, and
+        # the API server's 409 (the name is taken) is what sends this reconcile to look at the live object
+        # (ours from a crashed reconcile: adopted; anyone else's: never taken over). One request instead of
+        # a GET and an apply.
         current = {o["metadata"]["name"]: rayjob_now if recorded and o["metadata"]["name"] == names["rayJob"]
-                   else self._get(gvr_of(o), ns, o["metadata"]["name"]) for o in desired}
+                   else self._peek(gvr_of(o), ns, o["metadata"]["name"]) for o in desired}
         pins = {names["rayJob"]: str(recorded)} if recorded else {}
-        for action in plan_children(desired, current, uid, pins):
+        for obj in desired:
+            name = obj["metadata"]["name"]
+            (action,) = plan_children([obj], current, uid, pins)
+            if action.apply and current[name] is None and name not in pins:
+                log.info("%s/%s: creating %s %s", ns, job.metadata.name, obj["kind"], name)
+                try:
+                    current[name] = self.kube.create(gvr_of(obj), ns, action.obj, obj["kind"])
+                    continue
+                except ApiError as err:
+                    if err.status != 409:
+                        if self._refused(err, action, observed):
+                            return
+                        raise
+                current[name] = self._get_live(gvr_of(obj), ns, name)
+                (action,) = plan_children([obj], current, uid, pins)
             if action.blocked:
                 observed.blocked = action.blocked
                 return
-            name = action.obj["metadata"]["name"]
             if action.lost:
                 self._lost(ns, job.metadata.name, names, str(recorded), observed)
                 return
@@ -489,19 +518,16 @@ class Reconciler:
                 try:
                     log.info("%s/%s: applying %s %s (%s)", ns, job.metadata.name, action.obj["kind"], name,
                              "update" if current[name] is not None else "create")
+                    if current[name] is not None:
+                        self.kube.own_for_apply(action.obj)  # created by a POST: see Kube.own_for_apply
                     current[name] = self.kube.apply(action.obj)
                 except ApiError as err:
-                    if err.status == 403 and "being terminated" in err.message:
-                        return  # the namespace is going away, and this job with it
                     if err.status == 409 and name in pins:
                         # The recorded RayJob vanished between the GET and the apply (the UID made the
                         # apply fail instead of creating a new one): it is lost.
                         self._lost(ns, job.metadata.name, names, pins[name], observed)
                         return
-                    if err.status in (400, 422):
-                        # Admission (a policy, a webhook, a KubeRay CRD of another version) refused it. The
-                        # cause can go away: not terminal, retried.
-                        observed.blocked = ("ChildRejected", f"{action.obj['kind']} {name} rejected by the API server: {err.message}"[:1000])
+                    if self._refused(err, action, observed):
                         return
                     raise
         if recorded is None and os.environ.get("FINETUNE_TEST_CRASH_AFTER_CREATE") == "1":
@@ -511,6 +537,19 @@ class Reconciler:
         # is never re-created. A failure before that write leaves an unrecorded RayJob this job owns, which
         # the next reconcile adopts.
         observed.rayjob = current.get(names["rayJob"])
+
+    @staticmethod
+    def _refused(err: ApiError, action: ChildAction, observed: Observed) -> bool:
+        """A write of a child the API server refused for a reason to wait out, not to retry at once."""
+        if err.status == 403 and "being terminated" in err.message:
+            return True  # the namespace is going away, and this job with it
+        if err.status in (400, 422):
+            # Admission (a policy, a webhook, a KubeRay CRD of another version) refused it. The cause can go
+            # away: not terminal, retried.
+            observed.blocked = ("ChildRejected", f"{action.obj['kind']} {action.obj['metadata']['name']} rejected by the "
+                                                 f"API server: {err.message}"[:1000])
+            return True
+        return False
 
     def _lost(self, ns: str, name: str, names: dict[str, str], recorded: str, observed: Observed) -> None:
         """Our RayJob is gone. Never create another one: that would run the training again."""

@@ -1,47 +1,108 @@
 """Children shared between jobs: the content-addressed, immutable runtime ConfigMap.
 
-Created once per namespace and runtime version; every job that mounts it adds itself to its
-ownerReferences (a strategic-merge patch keyed by uid, so concurrent jobs never drop each other), and the
-garbage collector deletes it when its last owner is gone. Its data never changes (`immutable: true`),
-so nothing is ever re-applied under running trainers.
+One per namespace and runtime version (`finetune-runtime-<digest>`), created by the first job that needs
+it and never changed (`immutable: true`), so nothing is ever re-applied under running trainers.
+
+It has no ownerReferences. Each job used to add itself as an owner (one patch per job, and a ConfigMap of
+~165 KB rewritten in etcd each time, with up to one owner per job of the namespace) so that the garbage
+collector would delete it with its last job. Instead this process collects it: `collect` deletes a
+runtime ConfigMap once no FinetuneJob is left in its namespace that could still start pods on it and no
+RayJob or RayCluster there carries its digest (the `finetune.dev/runtime` label; their pods mount it).
+A runtime ConfigMap that does have owners was made by an earlier operator version: the garbage collector
+keeps handling it.
+
+`ensure` and `collect` of one namespace hold the same lock: a job's reconcile either finds the ConfigMap
+known (and `collect`, which runs later, sees that job in the cache and keeps it) or, after a collection,
+creates it again.
 """
 
 from __future__ import annotations
 
+import logging
+import threading
+from collections.abc import Callable
 from typing import Any
 
-from .k8s import ApiError, Kube, gvr_of
+from ..render.rayjob import JOB_LABEL, RUNTIME_LABEL
+from .k8s import CONFIGMAPS, ApiError, Kube, gvr_of
 
 Obj = dict[str, Any]
+log = logging.getLogger("finetune.runtime")
+# The work-queue key (namespace, RUNTIMES_KEY) stands for "collect this namespace's runtime ConfigMaps":
+# `~` is not allowed in object names, so it never meets a job's key.
+RUNTIMES_KEY = "~runtimes"
 
 
-def ensure_shared(kube: Kube, obj: Obj, exists: bool = False) -> Obj:
-    """Create `obj` if absent; otherwise add its ownerReferences to the existing one. Returns the object.
+class Runtimes:
+    def __init__(self, kube: Kube):
+        self.kube = kube
+        self._known: set[tuple[str, str]] = set()  # (namespace, name) this process created or saw
+        self._locks: dict[str, threading.Lock] = {}
+        self._guard = threading.Lock()
+        self.collected = 0
 
-    `exists`: this process has seen it (another job's owner was added): the owner is added with one
-    patch, without reading it first; if it was collected meanwhile (404), it is created."""
-    meta = obj["metadata"]
-    ns, name, gvr = meta.get("namespace"), meta["name"], gvr_of(obj)
-    if exists:
-        try:
-            return kube.patch(gvr, ns or "default", name, {"metadata": {"ownerReferences": meta.get("ownerReferences") or []}},
-                              obj["kind"], content_type="application/strategic-merge-patch+json")
-        except ApiError as err:
-            if err.status != 404:
-                raise
-    current = kube.get(gvr, ns, name)
-    if current is None:
-        try:
-            return kube.create(gvr, ns, obj, obj["kind"])
-        except ApiError as err:
-            if err.status != 409:  # another job's reconcile created it a moment ago
-                raise
-            current = kube.get(gvr, ns, name)
-            if current is None:
-                raise
-    have = {r.get("uid") for r in current["metadata"].get("ownerReferences") or []}
-    missing = [r for r in meta.get("ownerReferences") or [] if r["uid"] not in have]
-    if not missing:
-        return current
-    return kube.patch(gvr, ns or "default", name, {"metadata": {"ownerReferences": missing}}, obj["kind"],
-                      content_type="application/strategic-merge-patch+json")
+    def _lock(self, namespace: str) -> threading.Lock:
+        with self._guard:
+            return self._locks.setdefault(namespace, threading.Lock())
+
+    def ensure(self, obj: Obj) -> None:
+        """Create `obj` unless it exists. No request once this process knows it is there."""
+        meta = obj["metadata"]
+        ns, name = meta.get("namespace") or "default", meta["name"]
+        with self._lock(ns):
+            if (ns, name) in self._known:
+                return
+            gvr = gvr_of(obj)
+            if self.kube.get(gvr, ns, name) is None:
+                try:
+                    self.kube.create(gvr, ns, obj, obj["kind"])
+                except ApiError as err:
+                    if err.status != 409:  # 409: created a moment ago by another process
+                        raise
+            self._known.add((ns, name))
+
+    def collect(self, namespace: str, jobs: list[Obj], holders: list[Obj], current: str) -> list[str]:
+        """Delete the runtime ConfigMaps of `namespace` that nothing needs any more; returns their names.
+
+        `jobs`: the namespace's FinetuneJobs (any of them may still create pods: they run `current`).
+        `holders`: its RayJobs and RayClusters (their pods mount the digest in their runtime label).
+        A RayJob or RayCluster of the operator's without that label (rendered by an earlier version) may
+        mount any of them: then none is deleted."""
+        with self._lock(namespace):
+            in_use: set[str] = {current} if jobs else set()
+            for obj in holders:
+                labels = (obj.get("metadata") or {}).get("labels") or {}
+                if JOB_LABEL in labels and RUNTIME_LABEL not in labels:
+                    log.info("%s: a %s without the %s label (an earlier operator version); runtime ConfigMaps kept",
+                             namespace, obj.get("kind"), RUNTIME_LABEL)
+                    return []
+                if labels.get(RUNTIME_LABEL):
+                    in_use.add(labels[RUNTIME_LABEL])
+            deleted = []
+            for cm in self.kube.list_objects(CONFIGMAPS, namespace, RUNTIME_LABEL):
+                meta = cm.get("metadata") or {}
+                labels = meta.get("labels") or {}
+                if meta.get("ownerReferences") or JOB_LABEL in labels or labels.get(RUNTIME_LABEL) in in_use:
+                    continue
+                self._known.discard((namespace, meta["name"]))
+                try:
+                    self.kube.delete(CONFIGMAPS, namespace, meta["name"], "ConfigMap", uid=meta.get("uid"))
+                except ApiError as err:
+                    if err.status != 409:  # 409: the name holds another object now; not ours to judge
+                        raise
+                    continue
+                log.info("%s: deleted runtime ConfigMap %s (no job uses it)", namespace, meta["name"])
+                deleted.append(meta["name"])
+            self.collected += len(deleted)
+            return deleted
+
+
+def namespaces_with_runtimes(kube: Kube, namespaces: list[str] | None,
+                             listing: Callable[..., list[Obj]] | None = None) -> set[str]:
+    """Where runtime ConfigMaps exist (cluster-wide, or in the operator's namespaces): collected once after
+    a start, as jobs may have been deleted while no operator ran."""
+    found: set[str] = set()
+    for ns in namespaces or [None]:  # type: ignore[list-item]
+        for cm in (listing or kube.list_objects)(CONFIGMAPS, ns, RUNTIME_LABEL):
+            found.add(str((cm.get("metadata") or {}).get("namespace") or ""))
+    return {ns for ns in found if ns}

@@ -275,7 +275,6 @@ def derive_status(
     status.update(
         observedGeneration=generation,
         rayJobName=names["rayJob"],
-        configMapName=names["configMap"],
     )
 
     def cond(ctype: str, ok: bool | None, reason: str, message: str) -> None:

@@ -1,14 +1,16 @@
-"""FinetuneJob -> child objects (config ConfigMap, runtime ConfigMap, KubeRay RayJob). Pure.
+"""FinetuneJob -> child objects (the shared runtime ConfigMap and the KubeRay RayJob). Pure.
 
 No clock, no randomness, no API calls: the same inputs give byte-identical output, so GitOps diffs and
 the golden files stay quiet. The training code reaches the cluster without building an image: its
 Python source travels in a runtime ConfigMap, mounted at RUNTIME_MOUNT in every Ray pod and put on
-PYTHONPATH; the resolved FinetuneJob travels in `<job>-config`.
+PYTHONPATH; the resolved FinetuneJob travels in the Ray pods' own annotation CONFIG_ANNOTATION, which a
+downwardAPI volume shows to the entrypoint as a file (no ConfigMap of its own: two requests less per job).
 
 The runtime ConfigMap is content-addressed (`finetune-runtime-<hash>`) and `immutable: true`: one per
-namespace and runtime version, shared by every job that runs that version (each job adds itself as an
-owner, so the garbage collector deletes it with its last job). Running trainers never see their code
-change under them: an operator upgrade renders a new name, and pods keep the ConfigMap they mounted.
+namespace and runtime version, shared by every job that runs that version. It has no owners: the operator
+deletes it once no job of the namespace needs it (controller/shared.py), so jobs do not each patch it.
+Running trainers never see their code change under them: an operator upgrade renders a new name, and
+pods keep the ConfigMap they mounted. Every Ray pod carries the runtime's digest as a label.
 """
 
 from __future__ import annotations
@@ -45,14 +47,17 @@ HUGEPAGES = "hugepages-2Mi"
 INSTANCE_LABEL = "node.kubernetes.io/instance-type"
 JOB_LABEL = "finetune.dev/job"
 RUNTIME_LABEL = "finetune.dev/runtime"
+# The resolved FinetuneJob (YAML), on the head and worker pod templates; KubeRay copies template metadata
+# onto the pods, and the downwardAPI volume `finetune-config` shows it at CONFIG_MOUNT/CONFIG_KEY.
+CONFIG_ANNOTATION = "finetune.dev/job-config"
 HEAD_SHM_MAX_GIB = 8.0
 SUBMITTER_CONTAINER = "ray-job-submitter"  # KubeRay fills in this container's command (K8sJobMode)
 ENTRYPOINT = f"python3 -m finetune_training --config {CONFIG_MOUNT}/{CONFIG_KEY}"
 
 
 def child_names(name: str) -> dict[str, str]:
-    """Fixed child names (recorded in status before anything is created)."""
-    return {"rayJob": name, "configMap": f"{name}-config"}
+    """Fixed child names (recorded in status by the reconcile that creates them)."""
+    return {"rayJob": name}
 
 
 def runtime_hash(runtime_files: Mapping[str, str]) -> str:
@@ -96,21 +101,16 @@ def _meta(job: s.FinetuneJob, name: str, component: str) -> Obj:
 
 
 def job_document(job: s.FinetuneJob) -> str:
-    """The resolved job (defaults filled in) that the training entrypoint reads."""
+    """The resolved job (defaults filled in) that the training entrypoint reads (CONFIG_ANNOTATION)."""
     meta: Obj = {"name": job.metadata.name}
     if job.metadata.namespace:
         meta["namespace"] = job.metadata.namespace
-    doc = {"apiVersion": s.API_VERSION, "kind": s.KIND, "metadata": meta, "spec": job.spec.wire()}
+    spec = job.spec.wire()
+    # Whether the job is suspended is the operator's business, not the trainer's: left out, so suspending
+    # and resuming (also the operator's own, by a patch: suspension_patch) leave the pod templates as they are.
+    spec.pop("suspend", None)
+    doc = {"apiVersion": s.API_VERSION, "kind": s.KIND, "metadata": meta, "spec": spec}
     return str(yaml.safe_dump(doc, sort_keys=True, width=120))
-
-
-def render_config_map(job: s.FinetuneJob) -> Obj:
-    return {
-        "apiVersion": "v1",
-        "kind": "ConfigMap",
-        "metadata": _meta(job, child_names(job.metadata.name)["configMap"], "config"),
-        "data": {CONFIG_KEY: job_document(job)},
-    }
 
 
 def runtime_key(path: str) -> str:
@@ -119,8 +119,8 @@ def runtime_key(path: str) -> str:
 
 
 def render_runtime_config_map(job: s.FinetuneJob, runtime_files: Mapping[str, str]) -> Obj:
-    """Shared by every job of the namespace on this runtime version; this job is one (non-controller)
-    owner among several, so deleting one job never deletes another job's code."""
+    """Shared by every job of the namespace on this runtime version. No ownerReferences: the operator
+    collects it once no job of the namespace uses it (controller/shared.py)."""
     digest = runtime_hash(runtime_files)
     meta: Obj = {
         "name": runtime_config_map_name(runtime_files),
@@ -134,11 +134,6 @@ def render_runtime_config_map(job: s.FinetuneJob, runtime_files: Mapping[str, st
     }
     if job.metadata.namespace:
         meta["namespace"] = job.metadata.namespace
-    if job.metadata.uid:
-        meta["ownerReferences"] = [
-            {"apiVersion": s.API_VERSION, "kind": s.KIND, "name": job.metadata.name, "uid": job.metadata.uid,
-             "controller": False, "blockOwnerDeletion": False}
-        ]
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
@@ -149,8 +144,10 @@ def render_runtime_config_map(job: s.FinetuneJob, runtime_files: Mapping[str, st
 
 
 def is_shared(obj: Obj) -> bool:
-    """Children shared between jobs (the runtime ConfigMap): created once, then only gain owners."""
-    return RUNTIME_LABEL in (obj["metadata"].get("labels") or {})
+    """Children shared between jobs (the runtime ConfigMap): created once, never changed. (A job's RayJob
+    carries the runtime label too, beside its job label.)"""
+    labels_ = obj["metadata"].get("labels") or {}
+    return RUNTIME_LABEL in labels_ and JOB_LABEL not in labels_
 
 
 # ------------------------------------------------------------------------------------------------ pods
@@ -162,7 +159,6 @@ def _pvc_claims(spec: s.FinetuneJobSpec) -> list[str]:
 
 
 def _volumes(job: s.FinetuneJob, runtime_files: Mapping[str, str], cfg: RenderConfig) -> tuple[list[Obj], list[Obj]]:
-    names = child_names(job.metadata.name)
     volumes: list[Obj] = [
         {"name": "ray-logs", "emptyDir": {}},
         {
@@ -172,7 +168,8 @@ def _volumes(job: s.FinetuneJob, runtime_files: Mapping[str, str], cfg: RenderCo
                 "items": [{"key": runtime_key(p), "path": p} for p in sorted(runtime_files)],
             },
         },
-        {"name": "finetune-config", "configMap": {"name": names["configMap"]}},
+        {"name": "finetune-config", "downwardAPI": {"items": [
+            {"path": CONFIG_KEY, "fieldRef": {"fieldPath": f"metadata.annotations['{CONFIG_ANNOTATION}']"}}]}},
     ]
     mounts: list[Obj] = [
         {"name": "ray-logs", "mountPath": "/tmp/ray"},
@@ -269,6 +266,13 @@ def _env_from(spec: s.FinetuneJobSpec) -> list[Obj]:
     return out
 
 
+def _pod_meta(job: s.FinetuneJob, component: str, runtime_files: Mapping[str, str]) -> Obj:
+    """A Ray pod template's metadata: the job's labels, the runtime it mounts (what the operator's runtime
+    collector looks for), and the resolved job its entrypoint reads."""
+    return {"labels": {**labels(job, component), RUNTIME_LABEL: runtime_hash(runtime_files)},
+            "annotations": {CONFIG_ANNOTATION: job_document(job)}}
+
+
 def _pod_common(spec: s.FinetuneJobSpec) -> Obj:
     pod: Obj = {}
     if spec.cluster.service_account_name:
@@ -309,7 +313,7 @@ def _head(job: s.FinetuneJob, runtime_files: Mapping[str, str], cfg: RenderConfi
         pod["tolerations"] = list(spec.cluster.tolerations)
     return {
         "rayStartParams": {"dashboard-host": "0.0.0.0", "num-gpus": "0"},
-        "template": {"metadata": {"labels": labels(job, "ray-head")}, "spec": pod},
+        "template": {"metadata": _pod_meta(job, "ray-head", runtime_files), "spec": pod},
     }
 
 
@@ -369,7 +373,7 @@ def _worker(job: s.FinetuneJob, runtime_files: Mapping[str, str], cfg: RenderCon
         "minReplicas": w.replicas,
         "maxReplicas": w.replicas,
         "rayStartParams": {"num-gpus": str(w.gpus_per_worker)},
-        "template": {"metadata": {"labels": labels(job, "ray-worker")}, "spec": pod},
+        "template": {"metadata": _pod_meta(job, "ray-worker", runtime_files), "spec": pod},
     }
 
 
@@ -448,18 +452,15 @@ def render_rayjob(job: s.FinetuneJob, runtime_files: Mapping[str, str], cfg: Ren
         rayjob_spec["activeDeadlineSeconds"] = spec.active_deadline_seconds
     if spec.cluster.pip:
         rayjob_spec["runtimeEnvYAML"] = yaml.safe_dump({"pip": list(spec.cluster.pip)}, sort_keys=True)
-    return {
-        "apiVersion": "ray.io/v1",
-        "kind": "RayJob",
-        "metadata": _meta(job, child_names(job.metadata.name)["rayJob"], "rayjob"),
-        "spec": rayjob_spec,
-    }
+    meta = _meta(job, child_names(job.metadata.name)["rayJob"], "rayjob")
+    meta["labels"][RUNTIME_LABEL] = runtime_hash(runtime_files)  # KubeRay copies it onto the RayCluster
+    return {"apiVersion": "ray.io/v1", "kind": "RayJob", "metadata": meta, "spec": rayjob_spec}
 
 
 def render_children(job: s.FinetuneJob, runtime_files: Mapping[str, str], cfg: RenderConfig) -> list[Obj]:
-    """Everything the job needs, in apply order (ConfigMaps before the RayJob that mounts them)."""
+    """Everything the job needs, in apply order (the runtime ConfigMap before the RayJob that mounts it)."""
     rayjob = render_rayjob(job, runtime_files, cfg)
-    return [render_config_map(job), render_runtime_config_map(job, runtime_files), rayjob]
+    return [render_runtime_config_map(job, runtime_files), rayjob]
 
 
 def to_yaml(objs: list[Obj]) -> str:

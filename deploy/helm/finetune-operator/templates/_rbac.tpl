@@ -33,9 +33,9 @@
   verbs: ["get", "list", "watch"]
 {{- end -}}
 
-{{/* ClusterRole finetune-operator-children: write the children. Server-side apply = patch (create for
-the first apply); delete only for shared runtime ConfigMaps no job uses any more; watch: the operator
-reads the jobs' ConfigMaps from a watch (labelled finetune.dev/job) to revert edits at once. */}}
+{{/* ClusterRole finetune-operator-children: write the children. RayJobs: created with a POST, then
+changed by server-side apply (patch). ConfigMaps: only the shared runtime ConfigMaps (labelled
+finetune.dev/runtime), created once per namespace, listed and deleted when no job uses them any more. */}}
 {{- define "finetune.childrenRules" -}}
 - apiGroups: ["ray.io"]
   resources: ["rayjobs"]
