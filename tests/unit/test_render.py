@@ -240,12 +240,16 @@ def test_children_are_labelled_and_owned() -> None:
         assert group["template"]["metadata"]["labels"]["finetune.dev/runtime"] == digest
 
 
-def test_the_ray_pods_carry_the_resolved_job_and_mount_it() -> None:
-    """No ConfigMap of its own: the resolved job is an annotation of the Ray pod templates (KubeRay copies
-    template metadata onto the pods) and a downwardAPI volume shows it where the entrypoint reads it."""
+def test_the_head_pod_carries_the_resolved_job_and_mounts_it() -> None:
+    """No ConfigMap of its own: the resolved job is an annotation of the head pod template (KubeRay copies
+    template metadata onto the pod) and a downwardAPI volume shows it where the entrypoint (the Ray driver,
+    on the head) reads it. Worker pods carry none of it."""
     rayjob = rayjob_for(JobDoc(name="cfg").obj())
     assert rayjob["spec"]["entrypoint"] == f"python3 -m finetune_training --config {CONFIG_MOUNT}/{CONFIG_KEY}"
-    for group in (rayjob["spec"]["rayClusterSpec"]["headGroupSpec"], workers(rayjob)):
+    w = workers(rayjob)
+    assert "annotations" not in w["template"]["metadata"]
+    assert all(v["name"] != "finetune-config" for v in w["template"]["spec"]["volumes"])
+    for group in (rayjob["spec"]["rayClusterSpec"]["headGroupSpec"],):
         job = yaml.safe_load(group["template"]["metadata"]["annotations"][CONFIG_ANNOTATION])
         reparsed = parse_job(job)
         assert reparsed.spec == parse_job(JobDoc(name="cfg").obj()).spec

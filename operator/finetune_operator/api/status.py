@@ -87,7 +87,7 @@ class FinetuneJobStatus(StatusModel):
                     "the job's outcome is decided from what was last known.",
     )
     ray_cluster_name: str | None = Field(default=None, description="Name of the RayCluster KubeRay created for the job.")
-    config_map_name: str | None = Field(default=None, description="Not written any more (the resolved job config is the Ray pods' annotation finetune.dev/job-config); kept so that statuses written by earlier operator versions stay valid.")
+    config_map_name: str | None = Field(default=None, description="Not written any more (the resolved job config is the Ray head pod's annotation finetune.dev/job-config); kept so that statuses written by earlier operator versions stay valid.")
     job_id: str | None = Field(default=None, description="Ray job submission id.")
     dashboard_url: str | None = Field(default=None, alias="dashboardURL", description="Ray dashboard address.")
     start_time: str | None = Field(default=None, description="When the job started running.")

@@ -29,17 +29,30 @@ class ClusterConfig:
         self.clock = clock
         self._lock = threading.Lock()
         self._cache: dict[str, tuple[float, Any]] = {}
+        self._loading: dict[str, threading.Lock] = {}
 
     def _cached(self, key: str, load: Callable[[], Any]) -> Any:
+        """One load per key at a time: when the entry expires, the first reconcile reloads it and the others
+        go on with the value they had (four workers used to list the ConfigMaps four times per expiry)."""
         now = self.clock()
         with self._lock:
             hit = self._cache.get(key)
             if hit and hit[0] > now:
                 return hit[1]
-        value = load()
-        with self._lock:
-            self._cache[key] = (now + self.ttl, value)
-        return value
+            loading = self._loading.setdefault(key, threading.Lock())
+        if not loading.acquire(blocking=hit is None):
+            return hit[1]  # type: ignore[index]  # another thread is reloading it: the previous value meanwhile
+        try:
+            with self._lock:
+                again = self._cache.get(key)
+                if again and again[0] > self.clock():
+                    return again[1]  # reloaded while this thread waited for the first load
+            value = load()
+            with self._lock:
+                self._cache[key] = (self.clock() + self.ttl, value)
+            return value
+        finally:
+            loading.release()
 
     def _configured(self) -> Table:
         def load() -> Table:

@@ -3,7 +3,7 @@
 No clock, no randomness, no API calls: the same inputs give byte-identical output, so GitOps diffs and
 the golden files stay quiet. The training code reaches the cluster without building an image: its
 Python source travels in a runtime ConfigMap, mounted at RUNTIME_MOUNT in every Ray pod and put on
-PYTHONPATH; the resolved FinetuneJob travels in the Ray pods' own annotation CONFIG_ANNOTATION, which a
+PYTHONPATH; the resolved FinetuneJob travels in the head pod's own annotation CONFIG_ANNOTATION, which a
 downwardAPI volume shows to the entrypoint as a file (no ConfigMap of its own: two requests less per job).
 
 The runtime ConfigMap is content-addressed (`finetune-runtime-<hash>`) and `immutable: true`: one per
@@ -47,8 +47,8 @@ HUGEPAGES = "hugepages-2Mi"
 INSTANCE_LABEL = "node.kubernetes.io/instance-type"
 JOB_LABEL = "finetune.dev/job"
 RUNTIME_LABEL = "finetune.dev/runtime"
-# The resolved FinetuneJob (YAML), on the head and worker pod templates; KubeRay copies template metadata
-# onto the pods, and the downwardAPI volume `finetune-config` shows it at CONFIG_MOUNT/CONFIG_KEY.
+# The resolved FinetuneJob (YAML), on the head pod template; KubeRay copies template metadata onto the pod,
+# and the downwardAPI volume `finetune-config` shows it to the entrypoint at CONFIG_MOUNT/CONFIG_KEY.
 CONFIG_ANNOTATION = "finetune.dev/job-config"
 HEAD_SHM_MAX_GIB = 8.0
 SUBMITTER_CONTAINER = "ray-job-submitter"  # KubeRay fills in this container's command (K8sJobMode)
@@ -158,7 +158,8 @@ def _pvc_claims(spec: s.FinetuneJobSpec) -> list[str]:
     return sorted({p.claim for p in (parse_pvc(u) for u in uris) if p})
 
 
-def _volumes(job: s.FinetuneJob, runtime_files: Mapping[str, str], cfg: RenderConfig) -> tuple[list[Obj], list[Obj]]:
+def _volumes(job: s.FinetuneJob, runtime_files: Mapping[str, str], cfg: RenderConfig,
+             head: bool) -> tuple[list[Obj], list[Obj]]:
     volumes: list[Obj] = [
         {"name": "ray-logs", "emptyDir": {}},
         {
@@ -168,14 +169,15 @@ def _volumes(job: s.FinetuneJob, runtime_files: Mapping[str, str], cfg: RenderCo
                 "items": [{"key": runtime_key(p), "path": p} for p in sorted(runtime_files)],
             },
         },
-        {"name": "finetune-config", "downwardAPI": {"items": [
-            {"path": CONFIG_KEY, "fieldRef": {"fieldPath": f"metadata.annotations['{CONFIG_ANNOTATION}']"}}]}},
     ]
     mounts: list[Obj] = [
         {"name": "ray-logs", "mountPath": "/tmp/ray"},
         {"name": "finetune-runtime", "mountPath": RUNTIME_MOUNT, "readOnly": True},
-        {"name": "finetune-config", "mountPath": CONFIG_MOUNT, "readOnly": True},
     ]
+    if head:  # the entrypoint (the Ray driver) runs on the head: the workers get the job from it
+        volumes.append({"name": "finetune-config", "downwardAPI": {"items": [
+            {"path": CONFIG_KEY, "fieldRef": {"fieldPath": f"metadata.annotations['{CONFIG_ANNOTATION}']"}}]}})
+        mounts.append({"name": "finetune-config", "mountPath": CONFIG_MOUNT, "readOnly": True})
     for claim in _pvc_claims(job.spec):
         vol = f"pvc-{claim}"[:63].rstrip("-.")
         volumes.append({"name": vol, "persistentVolumeClaim": {"claimName": claim}})
@@ -266,11 +268,13 @@ def _env_from(spec: s.FinetuneJobSpec) -> list[Obj]:
     return out
 
 
-def _pod_meta(job: s.FinetuneJob, component: str, runtime_files: Mapping[str, str]) -> Obj:
-    """A Ray pod template's metadata: the job's labels, the runtime it mounts (what the operator's runtime
-    collector looks for), and the resolved job its entrypoint reads."""
-    return {"labels": {**labels(job, component), RUNTIME_LABEL: runtime_hash(runtime_files)},
-            "annotations": {CONFIG_ANNOTATION: job_document(job)}}
+def _pod_meta(job: s.FinetuneJob, component: str, runtime_files: Mapping[str, str], head: bool) -> Obj:
+    """A Ray pod template's metadata: the job's labels and the runtime it mounts; on the head, where the
+    entrypoint runs, also the resolved job it reads (not on every worker pod: 2-3 KB each)."""
+    meta: Obj = {"labels": {**labels(job, component), RUNTIME_LABEL: runtime_hash(runtime_files)}}
+    if head:
+        meta["annotations"] = {CONFIG_ANNOTATION: job_document(job)}
+    return meta
 
 
 def _pod_common(spec: s.FinetuneJobSpec) -> Obj:
@@ -284,7 +288,7 @@ def _pod_common(spec: s.FinetuneJobSpec) -> Obj:
 
 def _head(job: s.FinetuneJob, runtime_files: Mapping[str, str], cfg: RenderConfig) -> Obj:
     spec = job.spec
-    volumes, mounts = _volumes(job, runtime_files, cfg)
+    volumes, mounts = _volumes(job, runtime_files, cfg, head=True)
     # Ray's object store and PyTorch data loaders use /dev/shm; the container default is 64 MiB.
     shm_gib = min(quantity.gib(spec.cluster.head.memory) / 4, HEAD_SHM_MAX_GIB)
     volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": fmt_gi(shm_gib)}})
@@ -313,7 +317,7 @@ def _head(job: s.FinetuneJob, runtime_files: Mapping[str, str], cfg: RenderConfi
         pod["tolerations"] = list(spec.cluster.tolerations)
     return {
         "rayStartParams": {"dashboard-host": "0.0.0.0", "num-gpus": "0"},
-        "template": {"metadata": _pod_meta(job, "ray-head", runtime_files), "spec": pod},
+        "template": {"metadata": _pod_meta(job, "ray-head", runtime_files, head=True), "spec": pod},
     }
 
 
@@ -332,7 +336,7 @@ def _worker(job: s.FinetuneJob, runtime_files: Mapping[str, str], cfg: RenderCon
         efa = spec.cluster.efa_interfaces_per_worker
         resources[EFA] = str(inst.efa_interfaces if efa is None else efa)
         resources[HUGEPAGES] = w.hugepages2_mi
-    volumes, mounts = _volumes(job, runtime_files, cfg)
+    volumes, mounts = _volumes(job, runtime_files, cfg, head=False)
     volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": w.shm_size or fmt_gi(shm_gib)}})
     mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
     if spec.network.efa:
@@ -373,7 +377,7 @@ def _worker(job: s.FinetuneJob, runtime_files: Mapping[str, str], cfg: RenderCon
         "minReplicas": w.replicas,
         "maxReplicas": w.replicas,
         "rayStartParams": {"num-gpus": str(w.gpus_per_worker)},
-        "template": {"metadata": _pod_meta(job, "ray-worker", runtime_files), "spec": pod},
+        "template": {"metadata": _pod_meta(job, "ray-worker", runtime_files, head=False), "spec": pod},
     }
 
 
