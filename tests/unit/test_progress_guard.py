@@ -232,3 +232,58 @@ def test_progress_is_written_on_the_leading_edge_and_at_most_once_per_interval(m
     assert reg.get_sample_value("finetune_progress_write_delay_seconds_count") == 7
     assert reg.get_sample_value("finetune_progress_write_delay_seconds_sum") == pytest.approx(5 * 0.3 + 0.1)
     assert reg.get_sample_value("finetune_progress_write_delay_seconds_bucket", {"le": "0.25"}) == 2
+
+
+class OneSlowJob(StubKube):
+    """Job `slow`'s status patch takes 2 s (a loaded API server); the others' 10 ms."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        import time
+
+        self.written: dict[str, float] = {}
+        self.clock = time.monotonic
+
+    def patch_status(self, ns: str, name: str, patch: dict[str, object], uid: str | None = None,
+                     has_status: bool = True, resource_version: str | None = None) -> dict[str, object]:
+        import time
+
+        time.sleep(2.0 if name == "slow" else 0.01)
+        self.written[name] = self.clock()
+        return super().patch_status(ns, name, patch)
+
+
+def test_a_slow_status_write_holds_up_only_its_own_job() -> None:
+    """flush_forever hands each due job's write to the pool on its own: reports that fall due while one
+    job's patch hangs are written at once (in batches they waited for the batch's slowest patch)."""
+    import asyncio
+    import time
+
+    from finetune_operator.api.status import ProgressReport
+
+    kube = OneSlowJob()
+    server = ProgressServer(kube, Metrics(), flush_interval=5.0)  # type: ignore[arg-type]
+
+    def report(name: str) -> None:
+        server.accept("ns", name, ProgressReport.model_validate({"rank": 0, "training": {"step": 1}}))
+
+    async def run() -> dict[str, float]:
+        flusher = asyncio.create_task(server.flush_forever())
+        await asyncio.sleep(0.05)
+        start = time.monotonic()
+        report("slow")
+        await asyncio.sleep(0.2)  # its write is under way, and hangs
+        arrived = {}
+        for n in range(5):
+            arrived[f"fast{n}"] = time.monotonic()
+            report(f"fast{n}")
+            await asyncio.sleep(0.05)
+        while len(kube.written) < 6 and time.monotonic() - start < 10:
+            await asyncio.sleep(0.02)
+        flusher.cancel()
+        return {n: kube.written[n] - arrived[n] for n in arrived}
+
+    delays = asyncio.run(run())
+    assert "slow" in kube.written and len(delays) == 5
+    assert max(delays.values()) < 0.5, delays  # not the ~2 s the slow patch took
+    assert kube.written["slow"] > max(kube.written[n] for n in delays)
