@@ -572,7 +572,8 @@ def test_children_never_tracked_and_finished_job_stays_synced(kube: Kube, namesp
         assert sync_status(a) == "Synced" and health(a) == "Healthy", a["status"]
         assert [(r["kind"], r["name"]) for r in a["status"]["resources"]] == [("FinetuneJob", job)]
         assert rayjobs(kube, namespace), "prune must not have deleted the RayJob"
-        assert kube.core.list_namespaced_config_map(namespace, label_selector=f"finetune.dev/job={job}").items
+        # Nor the shared runtime ConfigMap the RayJob's pods mount (it has no job label of its own).
+        assert kube.core.list_namespaced_config_map(namespace, label_selector="finetune.dev/runtime").items
     finally:
         argocd.kubectl("-n", ARGO_NS, "patch", "configmap", "argocd-cm", "--type", "json",
                        "-p", '[{"op": "remove", "path": "/data/application.resourceTrackingMethod"}]')

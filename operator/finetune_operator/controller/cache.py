@@ -282,6 +282,12 @@ class Cache:
             return self.kube.list_objects(gvr, namespace, selector)
         return self._prime(gvr, namespace).select(namespace, selector)
 
+    def held(self, gvr: Gvr, namespace: str, selector: str | None) -> list[Obj]:
+        """What the store holds now (watch events and write answers), without priming it: for the runtime
+        collector (shared.py), which must not cost a LIST per namespace and whose mistakes heal (a job's
+        next reconcile re-creates a runtime ConfigMap it needs)."""
+        return self.stores[gvr].select(namespace, selector)
+
     def lookup(self, gvr: Gvr, namespace: str, name: str) -> Obj | None:
         """By name, from the primed store only: for objects whose absence the reconciler never acts on (a
         RayCluster not seen yet is waited for; its watch event queues the job again)."""

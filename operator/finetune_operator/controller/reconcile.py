@@ -284,11 +284,15 @@ class Reconciler:
             self.metrics.mirror_api_calls(self.kube)
 
     def collect_runtimes(self, namespace: str) -> list[str]:
-        """Delete the namespace's runtime ConfigMaps no job needs any more (shared.py), from the cache's view
-        of its jobs, RayJobs and RayClusters."""
-        jobs = [j for j in self._list(FTJ, namespace, "") if (j.get("status") or {}).get("phase") not in TERMINAL
+        """Delete the namespace's runtime ConfigMaps no job needs any more (shared.py), judged by the jobs,
+        RayJobs and RayClusters the watches have delivered (no LIST of them: a collection follows deletions,
+        and priming the cache there would cost three per namespace). Should the cache lack a job, the
+        collection errs towards deleting, and the job's next reconcile creates the ConfigMap again."""
+        def held(gvr: tuple[str, str, str], selector: str) -> list[Obj]:
+            return self.cache.held(gvr, namespace, selector) if self.cache else self.kube.list_objects(gvr, namespace, selector)
+        jobs = [j for j in held(FTJ, "") if (j.get("status") or {}).get("phase") not in TERMINAL
                 and not (j.get("metadata") or {}).get("deletionTimestamp")]
-        holders = self._list(RAYJOB, namespace, JOB_LABEL) + self._list(RAYCLUSTER, namespace, JOB_LABEL)
+        holders = held(RAYJOB, JOB_LABEL) + held(RAYCLUSTER, JOB_LABEL)
         return self.runtimes.collect(namespace, jobs, holders, runtime_hash(self.runtime_files))
 
     def _report_error(self, namespace: str, name: str, err: Exception) -> None:

@@ -13,7 +13,9 @@ keeps handling it.
 
 `ensure` and `collect` of one namespace hold the same lock: a job's reconcile either finds the ConfigMap
 known (and `collect`, which runs later, sees that job in the cache and keeps it) or, after a collection,
-creates it again.
+creates it again. Every reconcile of an unfinished job calls `ensure`, so a ConfigMap deleted while a job
+still needed it (a cache that had not seen the job yet) is back with that job's next reconcile; a pod
+that mounts it meanwhile waits (the kubelet retries the mount).
 """
 
 from __future__ import annotations
