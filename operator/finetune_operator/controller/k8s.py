@@ -260,27 +260,30 @@ class Kube:
         csaupgrade does for kubectl). Returns whether it patched."""
         meta = obj["metadata"]
         gvr, ns, name = gvr_of(obj), meta.get("namespace"), meta["name"]
-        live = self.get(gvr, ns, name)
-        if live is None:
-            return False
-        entries = live["metadata"].get("managedFields") or []
-        ours = [(i, e) for i, e in enumerate(entries) if e.get("manager") == FIELD_MANAGER]
-        if any(e.get("operation") == "Apply" for _, e in ours):
-            return False
-        created = [(i, e) for i, e in ours if e.get("operation") == "Update" and not e.get("subresource")]
-        if not created:
-            return False
-        i = created[0][0]
-        ops = [{"op": "test", "path": "/metadata/resourceVersion", "value": live["metadata"]["resourceVersion"]},
-               {"op": "test", "path": f"/metadata/managedFields/{i}/manager", "value": FIELD_MANAGER},
-               {"op": "replace", "path": f"/metadata/managedFields/{i}/operation", "value": "Apply"}]
-        try:
-            self.patch(gvr, ns or "default", name, ops, obj["kind"], content_type="application/json-patch+json")  # type: ignore[arg-type]
-        except ApiError as err:
-            if err.status not in (409, 422):  # changed meanwhile: the apply that follows still lands
-                raise
-            return False
-        return True
+        # KubeRay writes the RayJob's status all the time: a patch tested against a version that moved on
+        # is tried again on the new one (giving up would leave the create's fields in place for good).
+        for _ in range(5):
+            live = self.get(gvr, ns, name)
+            if live is None:
+                return False
+            entries = live["metadata"].get("managedFields") or []
+            ours = [(i, e) for i, e in enumerate(entries) if e.get("manager") == FIELD_MANAGER]
+            if any(e.get("operation") == "Apply" for _, e in ours):
+                return False
+            created = [(i, e) for i, e in ours if e.get("operation") == "Update" and not e.get("subresource")]
+            if not created:
+                return False
+            i = created[0][0]
+            ops = [{"op": "test", "path": "/metadata/resourceVersion", "value": live["metadata"]["resourceVersion"]},
+                   {"op": "test", "path": f"/metadata/managedFields/{i}/manager", "value": FIELD_MANAGER},
+                   {"op": "replace", "path": f"/metadata/managedFields/{i}/operation", "value": "Apply"}]
+            try:
+                self.patch(gvr, ns or "default", name, ops, obj["kind"], content_type="application/json-patch+json")  # type: ignore[arg-type]
+                return True
+            except ApiError as err:
+                if err.status not in (409, 422):
+                    raise
+        return False
 
     def replace(self, gvr: tuple[str, str, str], namespace: str | None, name: str, body: Obj, kind: str) -> Obj:
         return self._write("update", kind, "PUT", _path(gvr, namespace, name), body=body)
