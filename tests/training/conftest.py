@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import socket
 import sys
 from collections.abc import Iterator
@@ -31,6 +32,28 @@ def stack_line() -> str:
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:
     terminalreporter.write_line(f"training stack: {stack_line()}")
+
+
+# FINETUNE_TESTS_EXIT_AFTER_SESSION=1 (scripts/test-training-dlc sets it): once pytest has reported, leave with
+# its exit status and skip the interpreter's teardown. Why: on the DLC stack (Python 3.13, Ray 2.58, torch 2.13)
+# a CI run printed "179 passed" and then the process died of SIGSEGV during teardown (exit 245 = -11; stop 19),
+# which failed a run whose every test had passed; 3 reruns here did not repeat it. The session's result is
+# pytest's; a crash *during* a test still fails it (and PYTHONFAULTHANDLER, set by the runner, prints the stacks).
+_session_status: list[int] = []
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    _session_status.append(int(exitstatus))
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if os.environ.get("FINETUNE_TESTS_EXIT_AFTER_SESSION") == "1" and _session_status:
+        print(f"tests/training: exit status {_session_status[-1]} from pytest; interpreter teardown skipped "
+              "(FINETUNE_TESTS_EXIT_AFTER_SESSION=1)", flush=True)
+        sys.stderr.flush()
+        os._exit(_session_status[-1])
 
 
 TEXTS = [f"Question: What is {a} plus {b}?\nAnswer: {a} + {b} = {a + b}" for a in range(10, 40) for b in (11, 57)]

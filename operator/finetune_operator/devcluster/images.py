@@ -36,6 +36,7 @@ import os
 import re
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import tarfile
@@ -332,7 +333,10 @@ def run_in_stack(stack: str, argv: Sequence[str], *, env: dict[str, str] | None 
     with tempfile.TemporaryDirectory(prefix=f"finetune-{stack}-tmp-") as tmpdir:
         os.chmod(tmpdir, 0o1777)
         binds = [(str(venv), VENV, True), (str(repo), SRC, False), (tmpdir, "/tmp", False)]
-        env = {"PYTHONPATH": f"{SRC}/operator:{SRC}/training", "PYTHONDONTWRITEBYTECODE": "1", **(env or {})}
+        # PYTHONFAULTHANDLER: a crash (also one at interpreter exit, after pytest's own handler is gone)
+        # prints every thread's Python stack instead of a bare signal number.
+        env = {"PYTHONPATH": f"{SRC}/operator:{SRC}/training", "PYTHONDONTWRITEBYTECODE": "1",
+               "PYTHONFAULTHANDLER": "1", **(env or {})}
         # /dev/shm comes from the host's /dev (Ray's object store lives there).
         return subprocess.run(_ns_script(root, binds, argv, _stack_env(env), cwd=SRC)).returncode
 
@@ -676,10 +680,18 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         cmd = rest[2:] if rest[1:2] == ["--"] else rest[1:]
         try:
-            return run_in_stack(stack, cmd or ["python3", "--version"], log=_stderr)
+            rc = run_in_stack(stack, cmd or ["python3", "--version"], log=_stderr)
         except ImageError as e:
             print(f"error: {e}", file=sys.stderr)
             return 1
+        if rc < 0:  # killed by a signal: say which (a bare "exit 245" tells nobody it was SIGSEGV)
+            try:
+                name = signal.Signals(-rc).name
+            except ValueError:
+                name = f"signal {-rc}"
+            print(f"error: images run {stack}: {shlex.join(cmd)} was killed by {name}", file=sys.stderr)
+            return 128 - rc
+        return rc
     args = p.parse_args(sub)
     unknown = [w for w in args.which if w not in IMAGE_NAMES]
     if unknown:
