@@ -69,5 +69,5 @@ helm-files:
 	  deploy/instance-types.yaml deploy/helm/finetune-operator/files/
 
 lint: setup
-	.venv/bin/ruff check operator training tests benchmarks examples
-	.venv/bin/mypy --strict operator/finetune_operator training/finetune_training
+	.venv/bin/ruff check operator training devcluster tests benchmarks examples
+	.venv/bin/mypy --strict operator/finetune_operator training/finetune_training devcluster/finetune_devcluster

@@ -44,7 +44,7 @@ import aiohttp
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from finetune_operator.devcluster import DevCluster
+from finetune_devcluster import DevCluster
 from kubernetes import client, config, watch
 
 from tests.integration.conftest import RayDashboardStandIn

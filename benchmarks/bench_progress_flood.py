@@ -24,7 +24,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from finetune_operator.devcluster import DevCluster
+from finetune_devcluster import DevCluster
 from kubernetes import client, config
 
 from tests.integration.flood import flood, lease_sampler

@@ -27,8 +27,8 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     # counts against a test's timeout; nothing is built when no such test runs.
     if session.config.option.collectonly:
         return
-    from finetune_operator.devcluster import build
-    from finetune_operator.devcluster.versions import ALL_COMPONENTS
+    from finetune_devcluster import build
+    from finetune_devcluster.versions import ALL_COMPONENTS
 
     wanted = sorted({TOOL_FIXTURES[f][0] for i in session.items for f in getattr(i, "fixturenames", ())
                      if f in TOOL_FIXTURES})
@@ -41,7 +41,7 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 
 
 def _tool(fixture: str) -> Path:
-    from finetune_operator.devcluster import build
+    from finetune_devcluster import build
 
     component, binary = TOOL_FIXTURES[fixture]
     return build.optional_binaries(component) / binary

@@ -2,7 +2,7 @@
 # The cluster add-ons a FinetuneJob needs, pinned (docs/install.md, step 3). Run against the cluster
 # of cluster.yaml (or karpenter.yaml) with kubectl's current context:
 #   bash deploy/eks/install-addons.sh
-# KUBERAY_VERSION must match operator/finetune_operator/devcluster/versions.py (a test checks it):
+# KUBERAY_VERSION must match devcluster/finetune_devcluster/versions.py (a test checks it):
 # the operator is tested against that KubeRay.
 set -euo pipefail
 KUBERAY_VERSION=1.6.1

@@ -83,7 +83,7 @@ async def run(args: argparse.Namespace) -> int:
     from .controller.metrics import Metrics
     from .controller.progress import ProgressServer
     from .controller.reconcile import TERMINAL, Reconciler
-    from .controller.shared import RUNTIMES_KEY, namespaces_with_runtimes
+    from .controller.runtime_configmaps import RUNTIMES_KEY, namespaces_with_runtimes
     from .controller.workqueue import WorkQueue
     from .render.bundle import runtime_files
     from .render.config import RenderConfig
@@ -163,7 +163,7 @@ async def run(args: argparse.Namespace) -> int:
 
     async def collect_runtimes_after_start() -> None:
         # Jobs deleted while no operator ran left their runtime ConfigMaps behind: look once, when the
-        # watches have filled the cache (controller/shared.py).
+        # watches have filled the cache (controller/runtime_configmaps.py).
         await asyncio.sleep(30)
         try:
             found = await asyncio.to_thread(namespaces_with_runtimes, kube, args.namespace or None)

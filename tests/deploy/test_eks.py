@@ -13,9 +13,9 @@ from typing import Any
 import jsonschema
 import pytest
 import yaml
+from finetune_devcluster.upstream_crds import module_dir
+from finetune_devcluster.versions import EKSCTL_VERSION, KUBERAY_VERSION
 from finetune_operator.api.validation import parse_job
-from finetune_operator.devcluster.upstream_crds import module_dir
-from finetune_operator.devcluster.versions import EKSCTL_VERSION, KUBERAY_VERSION
 from finetune_operator.render.rayjob import render_rayjob
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 import yaml
-from finetune_operator.instance_types import from_params
+from finetune_operator.api.instance_types import from_params
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "deploy" / "helm" / "finetune-operator"
@@ -226,7 +226,7 @@ def test_dev_cluster_values_make_the_chart_what_the_demo_makes_of_deploy(helm: P
     # The real-node e2e test installs the chart with demo.chart_values; `make demo-cluster` applies deploy/
     # adapted by demo.adapt_deploy. Same objects (both keep production's replicas, RollingUpdate and pod
     # network), except the order of the args.
-    from finetune_operator.devcluster import demo
+    from finetune_devcluster import demo
 
     values = tmp_path / "values.yaml"
     values.write_text(yaml.safe_dump(demo.chart_values()))

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
-from finetune_operator.devcluster import images
+from finetune_devcluster import images
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(os.geteuid() != 0, reason="building images needs root")]
 
@@ -106,7 +106,7 @@ def test_the_ray_stack_runs_ray_cli_under_bash_lc_like_kuberay() -> None:
     script = ("ulimit -n 65536; command -v python3; ray --version; "
               "python3 -c 'import finetune_training.stackcheck as s; print(s.describe(s.check()))'")
     out = subprocess.run(
-        [sys.executable, "-m", "finetune_operator.devcluster.images", "run", "dlc",
+        [sys.executable, "-m", "finetune_devcluster.images", "run", "dlc",
          "--", "bash", "-lc", script], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()

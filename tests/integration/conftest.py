@@ -1,4 +1,4 @@
-"""Fixtures for tests against the real local control plane (``finetune_operator.devcluster``).
+"""Fixtures for tests against the real local control plane (``finetune_devcluster``).
 
 - ``control_plane`` (session): one :class:`DevCluster` per test session — etcd, kube-apiserver,
   kube-controller-manager, kube-scheduler, the KubeRay operator, kwok with 2 g6.12xlarge GPU/EFA nodes
@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from finetune_operator.devcluster import DevCluster, build
+from finetune_devcluster import DevCluster, build
 from kubernetes import client, config, watch
 from kubernetes.client.rest import ApiException
 

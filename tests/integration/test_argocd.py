@@ -27,7 +27,7 @@ from typing import Any
 
 import pytest
 import yaml
-from finetune_operator.devcluster import build
+from finetune_devcluster import build
 from kubernetes.client.rest import ApiException
 
 from tests.integration.conftest import Kube, wait_for

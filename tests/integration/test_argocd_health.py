@@ -21,8 +21,8 @@ from typing import Any
 
 import pytest
 import yaml
+from finetune_devcluster import build
 from finetune_operator.api.status import FinetuneJobStatus
-from finetune_operator.devcluster import build
 
 ROOT = Path(__file__).resolve().parents[2]
 ARGOCD_DIR = ROOT / "deploy" / "argocd"

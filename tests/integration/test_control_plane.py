@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 import yaml
-from finetune_operator.devcluster import DevCluster
+from finetune_devcluster import DevCluster
 from kubernetes import client
 from kubernetes.client.rest import ApiException
 from kubernetes.utils import parse_quantity
@@ -322,7 +322,7 @@ def test_repo_crds_installed_and_examples_accepted(kube: Kube, namespace: str) -
 def allow_local_ray_image(kube: Kube) -> None:
     """examples/local-cluster.yaml runs the Ray image built on this machine. Where another test module has
     installed deploy/'s admission policies, allow that image the way `make demo-cluster` does
-    (finetune_operator.devcluster.demo.adapt_deploy); the CRD's own rules are what this test checks."""
+    (finetune_devcluster.demo.adapt_deploy); the CRD's own rules are what this test checks."""
     try:
         cm = kube.core.read_namespaced_config_map("finetune-operator-policy", "finetune-system")
     except ApiException as e:

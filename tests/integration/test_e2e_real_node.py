@@ -12,7 +12,7 @@ images and the node; ``make demo-cluster`` installs the same objects with kustom
 ``deploy/``, and tests/deploy/test_helm_chart.py proves chart and kustomize render the same), the training code
 reaches the Ray pods through the runtime ConfigMap, the model and data through the ``pvc://`` claim, and
 progress through the projected-token channel and the operator's Service. The steps are the ones
-``make demo-cluster`` runs (``finetune_operator.devcluster.demo``).
+``make demo-cluster`` runs (``finetune_devcluster.demo``).
 
 Cost (2-core machine): see docs/dev-cluster.md ("End to end").
 """
@@ -32,8 +32,8 @@ from typing import Any
 
 import pytest
 import yaml
-from finetune_operator.devcluster import DevCluster, DevClusterError, demo
-from finetune_operator.devcluster import node as realnode
+from finetune_devcluster import DevCluster, DevClusterError, demo
+from finetune_devcluster import node as realnode
 from finetune_operator.render.rayjob import JOB_LABEL
 from kubernetes import client, config
 from kubernetes.client.rest import ApiException

@@ -6,7 +6,7 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
-from finetune_operator.devcluster.upstream_crds import crd_files
+from finetune_devcluster.upstream_crds import crd_files
 
 from tests.integration.conftest import Kube
 

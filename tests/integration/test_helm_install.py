@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 import yaml
-from finetune_operator.devcluster.upstream_crds import crd_files
+from finetune_devcluster.upstream_crds import crd_files
 from kubernetes import client
 from kubernetes.client.rest import ApiException
 

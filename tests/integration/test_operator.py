@@ -481,7 +481,7 @@ def test_training_runtime_reports_through_the_progress_channel(kube: Kube, names
 def _node_of_new_type(kube: Kube, name: str, itype: str, gpus: int) -> None:
     """A node of an instance type no ConfigMap describes (kwok keeps it Ready); its figures are the
     only source the operator has for that type."""
-    from finetune_operator.devcluster.nodes import node_manifest
+    from finetune_devcluster.nodes import node_manifest
 
     node = node_manifest(name, "g6.12xlarge", "new-types", index=90)
     for key in ("node.kubernetes.io/instance-type", "beta.kubernetes.io/instance-type"):
@@ -553,7 +553,7 @@ def test_operator_enforces_the_allow_list_for_jobs_admission_let_through(kube: K
 def test_runtime_config_map_is_shared_immutable_and_collected_with_its_last_job(
         kube: Kube, namespace: str, operator: OperatorProcess) -> None:
     """One runtime ConfigMap per namespace and version, with no owners (no patch per job): the operator
-    deletes it once no job needs it (controller/shared.py). It also collects the ConfigMap of a runtime
+    deletes it once no job needs it (controller/runtime_configmaps.py). It also collects the ConfigMap of a runtime
     version nothing runs any more, and leaves alone one that has owners (an earlier version's, which the
     garbage collector handles)."""
     runtime = {"app.kubernetes.io/managed-by": "finetune-operator", "finetune.dev/runtime": "0ld000000000"}

@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from finetune_operator.devcluster import DevCluster, build, oci
-from finetune_operator.devcluster import node as realnode
+from finetune_devcluster import DevCluster, build, oci
+from finetune_devcluster import node as realnode
 from kubernetes import client, config
 
 from .conftest import create_namespace, wait_for

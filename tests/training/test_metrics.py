@@ -6,8 +6,8 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from finetune_operator.api.instance_types import lookup
 from finetune_operator.api.spec import Scheduler
-from finetune_operator.instance_types import lookup
 from finetune_training.metrics import Throughput, flops_per_token, mfu, model_shape, shape_from_config
 from finetune_training.optim import lr_factor
 

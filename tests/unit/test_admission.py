@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 import yaml
-from finetune_operator import instance_types as it
+from finetune_operator.api import instance_types as it
 from finetune_operator.api.crd import NAME_RULES
 from finetune_operator.api.policy import AllowList, policy_issues
 from finetune_operator.api.validation import check, fit_issues, parse_job

@@ -5,8 +5,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from finetune_operator.devcluster import build, gen_tools
-from finetune_operator.devcluster.versions import (
+from finetune_devcluster import build, gen_tools
+from finetune_devcluster.versions import (
     ARGOCD_GO_TOOLCHAIN,
     ARGOCD_VERSION,
     COMPONENTS,

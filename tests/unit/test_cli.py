@@ -73,3 +73,22 @@ def test_render_rejects_a_spec_that_does_not_fit(tmp_path: Path) -> None:
     out = finetune("render", str(f))
     assert out.returncode == 1 and out.stdout == ""
     assert "spec.cluster.workers.gpusPerWorker: 8 GPUs per worker do not fit g6.12xlarge" in out.stderr
+
+
+def test_dev_cluster_where_the_dev_package_is_not_installed_says_how_to_get_it(monkeypatch) -> None:
+    # The operator's distribution has no dev cluster: it comes in through the `finetune.commands` entry point of
+    # the separate finetune-devcluster package. Without it, the command still answers, with how to get it.
+    from finetune_operator import cli
+
+    monkeypatch.setattr(cli, "entry_points", lambda group: [])
+    args = cli.build_parser().parse_args(["dev-cluster", "up", "--real-node"])
+    assert args.func(args) == 2
+
+
+def test_dev_cluster_comes_from_the_dev_packages_entry_point() -> None:
+    from importlib.metadata import entry_points
+
+    (ep,) = [e for e in entry_points(group="finetune.commands") if e.name == "dev-cluster"]
+    assert ep.value == "finetune_devcluster.cli:register"
+    out = finetune("dev-cluster", "--help")
+    assert out.returncode == 0 and "kubeconfig" in out.stdout, out.stderr

@@ -109,7 +109,7 @@ def _strict(node: Any) -> Any:
 def rayjob_schema() -> dict[str, Any]:
     if shutil.which("go") is None:
         pytest.fail("Go is required to fetch KubeRay's CRD from its Go module (see README)")
-    from finetune_operator.kuberay import crd_path
+    from finetune_devcluster.kuberay import crd_path
 
     crd = yaml.safe_load(crd_path("rayjobs").read_text())
     (version,) = [v for v in crd["spec"]["versions"] if v["name"] == "v1"]

@@ -9,8 +9,8 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from finetune_operator.devcluster import build, gen_tools, nodes, pki
-from finetune_operator.devcluster.versions import ALL_COMPONENTS, KUBERNETES_VERSION
+from finetune_devcluster import build, gen_tools, nodes, pki
+from finetune_devcluster.versions import ALL_COMPONENTS, KUBERNETES_VERSION
 
 TOOLS = Path(gen_tools.__file__).parent / "tools"
 
@@ -124,7 +124,7 @@ def test_tcp_forwarder_passes_bytes_both_ways_and_the_half_close(tmp_path: Path)
     import sys
     import threading
 
-    from finetune_operator.devcluster import tcpforward
+    from finetune_devcluster import tcpforward
 
     server = socket.create_server(("127.0.0.1", 0))
     target = server.getsockname()[1]

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 import yaml
-from finetune_operator.devcluster import DevClusterError, demo
+from finetune_devcluster import DevClusterError, demo
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -78,7 +78,7 @@ def test_images_cli_rejects_an_unknown_image_and_accepts_none(monkeypatch: pytes
     """`finetune dev-cluster images` with no name builds the default set (Python 3.11's argparse rejected
     an empty list against `choices`); an unknown name is an error that lists the valid ones. Only the argument handling is under test here:
     the two builds are stand-ins (tests/images/ builds the images for real)."""
-    from finetune_operator.devcluster import images
+    from finetune_devcluster import images
 
     built: list[str] = []
 

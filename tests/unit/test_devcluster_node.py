@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 import yaml
-from finetune_operator.devcluster import build, gen_tools, oci
-from finetune_operator.devcluster import node as realnode
-from finetune_operator.devcluster.versions import COMPONENTS, KUBELET_API_VERSION, NODE_COMPONENTS
+from finetune_devcluster import build, gen_tools, oci
+from finetune_devcluster import node as realnode
+from finetune_devcluster.versions import COMPONENTS, KUBELET_API_VERSION, NODE_COMPONENTS
 
 TOOLS = Path(gen_tools.__file__).parent / "tools"
 

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 import yaml
-from finetune_operator import instance_types as it
+from finetune_operator.api import instance_types as it
 from finetune_operator.api.validation import SpecError, parse_job
 from finetune_operator.render.config import CONFIG_KEY, CONFIG_MOUNT, RenderConfig, progress_audience
 from finetune_operator.render.rayjob import (
@@ -228,7 +228,7 @@ def test_children_are_labelled_and_owned() -> None:
     runtime, rayjob = render_children(parse_job(doc), FAKE_RUNTIME, CFG)
     for obj in (runtime, rayjob):
         assert obj["metadata"]["labels"]["app.kubernetes.io/managed-by"] == "finetune-operator"
-    # The runtime ConfigMap is shared and has no owners: the operator collects it (controller/shared.py).
+    # The runtime ConfigMap is shared and has no owners: the operator collects it (controller/runtime_configmaps.py).
     assert is_shared(runtime) and "ownerReferences" not in runtime["metadata"] and not is_shared(rayjob)
     (ref,) = rayjob["metadata"]["ownerReferences"]
     assert ref["uid"] == "u-1" and ref["kind"] == "FinetuneJob" and ref["controller"] is True

@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 from finetune_operator.api.validation import Issue, parse_job
-from finetune_operator.controller.preflight import check_capacity
+from finetune_operator.controller.capacity import check_capacity
 from finetune_operator.controller.reconcile import plan_children, with_hash
 from finetune_operator.controller.status import (
     Observed,

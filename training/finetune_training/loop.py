@@ -19,9 +19,9 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from finetune_operator.api.instance_types import lookup
 from finetune_operator.api.spec import FinetuneJob, FinetuneJobSpec
 from finetune_operator.api.status import NetworkHealth, ProgressReport, TrainingProgress
-from finetune_operator.instance_types import lookup
 
 from . import checkpoint as ckpt
 from .data import IGNORE, PreparedData, prepare, step_sequences, steps_per_epoch, truncation_notice

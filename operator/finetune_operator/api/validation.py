@@ -16,7 +16,7 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from .. import instance_types as it
+from . import instance_types as it
 from . import quantity
 from .spec import FinetuneJob, FinetuneJobSpec
 from .storage import is_local_path

@@ -284,7 +284,7 @@ class Cache:
 
     def held(self, gvr: Gvr, namespace: str, selector: str | None) -> list[Obj]:
         """What the store holds now (watch events and write answers), without priming it: for the runtime
-        collector (shared.py), which must not cost a LIST per namespace and whose mistakes heal (a job's
+        collector (runtime_configmaps.py), which must not cost a LIST per namespace and whose mistakes heal (a job's
         next reconcile re-creates a runtime ConfigMap it needs)."""
         return self.stores[gvr].select(namespace, selector)
 

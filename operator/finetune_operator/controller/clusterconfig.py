@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from .. import instance_types as it
+from ..api import instance_types as it
 from ..api.policy import POLICY_NAME, AllowList
 from .k8s import CONFIGMAPS, NODES, Kube
 

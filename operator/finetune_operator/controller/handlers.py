@@ -18,12 +18,12 @@ from .cache import WATCH_SELECTORS, Cache
 from .k8s import FTJ, NODES, PODS, RAYCLUSTER, RAYJOB
 from .progress import ProgressServer
 from .reconcile import TERMINAL, Reconciler
-from .shared import RUNTIMES_KEY
+from .runtime_configmaps import RUNTIMES_KEY
 from .workqueue import WorkQueue
 
 NODE_DEBOUNCE_SECONDS = 10.0
 # After a job, RayJob or RayCluster is deleted, its namespace's unused runtime ConfigMaps are collected
-# (shared.py) once things have settled: a burst of deletions costs one collection.
+# (runtime_configmaps.py) once things have settled: a burst of deletions costs one collection.
 COLLECT_DELAY_SECONDS = 10.0
 
 

@@ -25,11 +25,11 @@ from ..api.validation import SpecError, parse_job
 from ..render.config import RenderConfig
 from ..render.rayjob import JOB_LABEL, child_names, is_shared, render_children, runtime_hash, suspension_patch
 from .cache import Cache
+from .capacity import check_capacity
 from .clusterconfig import ClusterConfig
 from .k8s import FTJ, NODES, PODS, RAYCLUSTER, RAYJOB, ApiError, Kube, ObjectReplaced, gvr_of
 from .metrics import Metrics
-from .preflight import check_capacity
-from .shared import RUNTIMES_KEY, Runtimes
+from .runtime_configmaps import RUNTIMES_KEY, Runtimes
 from .status import (
     BLOCKED,
     PROGRESS_FIELDS,
@@ -284,7 +284,7 @@ class Reconciler:
             self.metrics.mirror_api_calls(self.kube)
 
     def collect_runtimes(self, namespace: str) -> list[str]:
-        """Delete the namespace's runtime ConfigMaps no job needs any more (shared.py), judged by the jobs,
+        """Delete the namespace's runtime ConfigMaps no job needs any more (runtime_configmaps.py), judged by the jobs,
         RayJobs and RayClusters the watches have delivered (no LIST of them: a collection follows deletions,
         and priming the cache there would cost three per namespace). Should the cache lack a job, the
         collection errs towards deleting, and the job's next reconcile creates the ConfigMap again."""

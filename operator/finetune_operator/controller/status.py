@@ -15,7 +15,7 @@ from typing import Any
 
 from ..api.status import Phase
 from ..api.validation import Issue
-from .preflight import Capacity
+from .capacity import Capacity
 
 Obj = dict[str, Any]
 

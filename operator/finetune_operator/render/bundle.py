@@ -13,7 +13,7 @@ from pathlib import Path
 # ConfigMaps are capped at 1 MiB; stay well below so the object (and its YAML) fits comfortably.
 MAX_BUNDLE_BYTES = 768 * 1024
 
-_OPERATOR_FILES = ["__init__.py", "instance_types.py", "api"]
+_OPERATOR_FILES = ["__init__.py", "api"]
 
 
 def _package_dir(name: str) -> Path:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from ..instance_types import InstanceType
+from ..api.instance_types import InstanceType
 
 FIELD_MANAGER = "finetune-operator"
 RUNTIME_MOUNT = "/opt/finetune/src"

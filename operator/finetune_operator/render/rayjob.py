@@ -8,7 +8,7 @@ downwardAPI volume shows to the entrypoint as a file (no ConfigMap of its own: t
 
 The runtime ConfigMap is content-addressed (`finetune-runtime-<hash>`) and `immutable: true`: one per
 namespace and runtime version, shared by every job that runs that version. It has no owners: the operator
-deletes it once no job of the namespace needs it (controller/shared.py), so jobs do not each patch it.
+deletes it once no job of the namespace needs it (controller/runtime_configmaps.py), so jobs do not each patch it.
 Running trainers never see their code change under them: an operator upgrade renders a new name, and
 pods keep the ConfigMap they mounted. Every Ray pod carries the runtime's digest as a label.
 """
@@ -21,7 +21,7 @@ from typing import Any
 
 import yaml
 
-from .. import instance_types as it
+from ..api import instance_types as it
 from ..api import quantity
 from ..api import spec as s
 from ..api.quantity import fmt_gi
@@ -120,7 +120,7 @@ def runtime_key(path: str) -> str:
 
 def render_runtime_config_map(job: s.FinetuneJob, runtime_files: Mapping[str, str]) -> Obj:
     """Shared by every job of the namespace on this runtime version. No ownerReferences: the operator
-    collects it once no job of the namespace uses it (controller/shared.py)."""
+    collects it once no job of the namespace uses it (controller/runtime_configmaps.py)."""
     digest = runtime_hash(runtime_files)
     meta: Obj = {
         "name": runtime_config_map_name(runtime_files),

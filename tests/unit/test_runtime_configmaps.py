@@ -1,0 +1,85 @@
+"""The runtime ConfigMap collector's rules (controller/runtime_configmaps.py). The API server stands in as a small
+recording object: what is under test is which ConfigMaps the rules delete; the real control plane runs the
+same collector in tests/integration/test_operator.py."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from finetune_operator.controller.runtime_configmaps import Runtimes
+
+Obj = dict[str, Any]
+
+
+class Recorder:
+    def __init__(self, cms: list[Obj]):
+        self.cms = cms
+        self.deleted: list[tuple[str, str | None]] = []
+        self.created: list[str] = []
+        self.gets = 0
+
+    def list_objects(self, gvr: Any, namespace: str | None, selector: str | None) -> list[Obj]:
+        return [c for c in self.cms if c["metadata"]["namespace"] == namespace]
+
+    def delete(self, gvr: Any, namespace: str, name: str, kind: str, uid: str | None = None) -> None:
+        self.deleted.append((name, uid))
+
+    def get(self, gvr: Any, namespace: str | None, name: str) -> Obj | None:
+        self.gets += 1
+        return None
+
+    def create(self, gvr: Any, namespace: str | None, body: Obj, kind: str) -> Obj:
+        self.created.append(body["metadata"]["name"])
+        return body
+
+
+def cm(digest: str, owners: bool = False) -> Obj:
+    meta: Obj = {"name": f"finetune-runtime-{digest}", "namespace": "ns", "uid": f"uid-{digest}",
+                 "labels": {"finetune.dev/runtime": digest}}
+    if owners:
+        meta["ownerReferences"] = [{"kind": "FinetuneJob", "name": "old", "uid": "u"}]
+    return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": meta}
+
+
+def holder(kind: str, digest: str | None) -> Obj:
+    labels = {"finetune.dev/job": "j", **({"finetune.dev/runtime": digest} if digest else {})}
+    return {"kind": kind, "metadata": {"name": "j", "namespace": "ns", "labels": labels}}
+
+
+JOB = {"metadata": {"name": "j", "namespace": "ns"}}
+
+
+def test_the_current_runtime_stays_while_a_job_may_start_pods_and_goes_after() -> None:
+    kube = Recorder([cm("cur"), cm("old")])
+    assert Runtimes(kube).collect("ns", [JOB], [], "cur") == ["finetune-runtime-old"]  # type: ignore[arg-type]
+    assert kube.deleted == [("finetune-runtime-old", "uid-old")]  # only that very object
+    assert Runtimes(Recorder([cm("cur")])).collect("ns", [], [], "cur") == ["finetune-runtime-cur"]  # type: ignore[arg-type]
+
+
+def test_a_runtime_a_rayjob_or_raycluster_carries_is_kept() -> None:
+    kube = Recorder([cm("cur"), cm("old"), cm("older")])
+    kept = Runtimes(kube).collect("ns", [], [holder("RayJob", "old"), holder("RayCluster", "older")], "cur")  # type: ignore[arg-type]
+    assert kept == ["finetune-runtime-cur"]
+
+
+def test_an_earlier_versions_rayjob_without_the_label_keeps_every_runtime() -> None:
+    kube = Recorder([cm("cur"), cm("old")])
+    assert Runtimes(kube).collect("ns", [], [holder("RayJob", None)], "cur") == []  # type: ignore[arg-type]
+    assert kube.deleted == []
+
+
+def test_a_runtime_with_owners_is_the_garbage_collectors() -> None:
+    kube = Recorder([cm("legacy", owners=True)])
+    assert Runtimes(kube).collect("ns", [], [], "cur") == []  # type: ignore[arg-type]
+
+
+def test_ensure_asks_once_and_again_after_a_collection() -> None:
+    kube = Recorder([cm("cur")])
+    runtimes = Runtimes(kube)  # type: ignore[arg-type]
+    obj = cm("cur")
+    runtimes.ensure(obj)
+    runtimes.ensure(obj)
+    assert kube.gets == 1 and kube.created == ["finetune-runtime-cur"]
+    runtimes.collect("ns", [], [], "cur")
+    runtimes.ensure(obj)  # collected: this process no longer assumes it is there
+    assert kube.gets == 2 and kube.created == ["finetune-runtime-cur"] * 2
