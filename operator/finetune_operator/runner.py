@@ -82,8 +82,9 @@ async def run(args: argparse.Namespace) -> int:
     from .controller.leader import LeaderElector, label_own_pod
     from .controller.metrics import Metrics
     from .controller.progress import ProgressServer
-    from .controller.reconcile import TERMINAL, Reconciler
+    from .controller.reconcile import Reconciler
     from .controller.runtime_configmaps import RUNTIMES_KEY, namespaces_with_runtimes
+    from .controller.transitions import TERMINAL
     from .controller.workqueue import WorkQueue
     from .render.bundle import runtime_files
     from .render.config import RenderConfig

@@ -268,7 +268,8 @@ def test_single_node_meets_require_efa_only_on_efa() -> None:
 
 
 def test_status_reason_says_who_caught_it() -> None:
-    from finetune_operator.controller.status import Observed, derive_status
+    from finetune_operator.controller.status import Observed
+    from finetune_operator.controller.transitions import derive_status
 
     def reason(h: NetworkHealth) -> str:
         st = derive_status(generation=1, suspend=False, names={"rayJob": "j", "configMap": "c", "runtimeConfigMap": "r"},

@@ -8,14 +8,8 @@ import pytest
 from finetune_operator.api.validation import Issue, parse_job
 from finetune_operator.controller.capacity import check_capacity
 from finetune_operator.controller.reconcile import plan_children, with_hash
-from finetune_operator.controller.status import (
-    Observed,
-    derive_status,
-    fail_stalled,
-    pods_of,
-    restart_stalled,
-    seconds_until_stall,
-)
+from finetune_operator.controller.status import Observed, pods_of, seconds_until_stall
+from finetune_operator.controller.transitions import derive_status, fail_stalled, restart_stalled
 
 from tests.builders import JobDoc
 

@@ -17,8 +17,9 @@ from ..render.rayjob import JOB_LABEL
 from .cache import WATCH_SELECTORS, Cache
 from .k8s import FTJ, NODES, PODS, RAYCLUSTER, RAYJOB
 from .progress import ProgressServer
-from .reconcile import TERMINAL, Reconciler
+from .reconcile import Reconciler
 from .runtime_configmaps import RUNTIMES_KEY
+from .transitions import TERMINAL
 from .workqueue import WorkQueue
 
 NODE_DEBOUNCE_SECONDS = 10.0

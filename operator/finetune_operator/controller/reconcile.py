@@ -1,7 +1,7 @@
 """The level-based reconcile: look at the world, close the gap, write status once.
 
-`plan_children` and `derive_status` decide (pure); `Reconciler.reconcile` observes and executes via
-the Kube client. Idempotent: with nothing changed it makes no write at all (children carry a hash of
+`plan_children` and `transitions.decide` decide (pure); `Reconciler.reconcile` observes, and carries out
+their decisions via the Kube client. Idempotent: with nothing changed it makes no write at all (children carry a hash of
 what was rendered; status is compared before patching).
 """
 
@@ -37,17 +37,14 @@ from .status import (
     RUNNING,
     STALLED,
     Observed,
-    derive_status,
-    fail_stalled,
     pods_of,
-    restart_stalled,
     seconds_until_stall,
     set_condition,
 )
+from .transitions import TERMINAL, RayJobAction, decide, rayjob_held_suspended
 
 Obj = dict[str, Any]
 HASH_ANNOTATION = "finetune.dev/render-hash"
-TERMINAL = {Phase.succeeded.value, Phase.failed.value}
 log = logging.getLogger("finetune.reconcile")
 BLOCKED_REQUEUE_SECONDS = 10.0
 
@@ -337,9 +334,7 @@ class Reconciler:
                 rj = self._get(RAYJOB, namespace, names["rayJob"])
                 if rj is not None and rj["metadata"].get("uid") == prev.get("rayJobUID") and owned_by(rj, meta["uid"]):
                     observed.rayjob = rj
-            elif prev.get("stallRestartPending") and not job.spec.suspend:
-                # A stall restart is under way: the RayJob stays suspended until KubeRay has deleted the Ray
-                # cluster (an apply of the plain spec would resume it before KubeRay saw the suspend).
+            elif rayjob_held_suspended(prev, job.spec.suspend):
                 held = job.model_copy(update={"spec": job.spec.model_copy(update={"suspend": True})})
                 self._ensure_children(held, prev, names, observed, cfg)
             else:
@@ -361,71 +356,38 @@ class Reconciler:
             observed.capacity = self._capacity(job, cfg)
 
         now = self.clock()
-        stall_timeout = job.spec.stall_policy.timeout_seconds if job is not None else None
-        new = derive_status(
+        policy = job.spec.stall_policy if job is not None else None
+        decision = decide(
             generation=meta.get("generation"),
             suspend=bool((body.get("spec") or {}).get("suspend")),
             names=names,
             prev=prev,
             observed=observed,
             now=now,
-            stall_timeout_seconds=stall_timeout,
+            policy=policy,
             detect_stalls=bool(self.cfg.progress_url),  # no progress channel: silence means nothing
         )
-        if prev.get("phase") in TERMINAL and new.get("phase") not in TERMINAL:
-            # A verdict is final: finished and cleaned up (no RayJob), or a RayJob the operator suspended to
-            # release a failed job's cluster (stallPolicy), which would otherwise read as Suspended.
-            new = {**prev, "observedGeneration": meta.get("generation")}
-        stalled = any(c["type"] == STALLED and c["status"] == "True" for c in new.get("conditions") or [])
-        policy = job.spec.stall_policy if job is not None else None
-        restart = stalled and policy is not None and policy.action == s.StallAction.restart
-        fail = stalled and policy is not None and policy.action == s.StallAction.fail
-        if restart and policy is not None and int(new.get("stallRestarts") or 0) >= policy.max_restarts:
-            restart, fail = False, True
-            new = fail_stalled(new, now, f"failed after {policy.max_restarts} restart(s) by spec.stallPolicy.action Restart")
-        elif fail:
-            new = fail_stalled(new, now)
-        elif restart and policy is not None:
-            new = restart_stalled(new, now, policy.max_restarts)
-        resume = job is not None and self._stall_restart_resume(namespace, names, prev, new, observed, job)
-        if resume:
-            new.pop("stallRestartPending", None)  # written only once the RayJob has been told to resume
+        new = decision.status
+        if decision.action == RayJobAction.resume and job is not None:
+            # Before the status write that drops the pending mark: a crash in between resumes it again.
+            self.kube.patch(RAYJOB, namespace, names["rayJob"], suspension_patch(job.spec, False), kind="RayJob")
         self._write_status(body, prev, new)
         self._settled[(namespace, name)] = settled_fingerprint(meta, new)
-        if (fail or restart) and job is not None:
-            # Release the Ray cluster (and its GPUs): KubeRay deletes it when the RayJob is suspended. After a
-            # restart the reconciler resumes the RayJob once the cluster is gone (_stall_restart_resume).
+        if decision.action in (RayJobAction.release, RayJobAction.restart) and job is not None:
+            # KubeRay deletes the Ray cluster (and frees its GPUs) of a suspended RayJob.
             self.kube.patch(RAYJOB, namespace, names["rayJob"], suspension_patch(job.spec, True), kind="RayJob")
-        if restart:
+        if decision.action == RayJobAction.restart:
             self.kube.event({"apiVersion": s.API_VERSION, "kind": s.KIND, "metadata": meta}, reason="StallRestart",
                             message=str(next(c["message"] for c in new["conditions"] if c["type"] == RUNNING)),
                             type_="Warning", now=self.clock())
         phase = str(new.get("phase"))
         self.phases[(namespace, name)] = phase
         self.metrics.set_phase(namespace, name, phase)
-        self.metrics.set_stalled(namespace, name, stalled and not fail)
+        self.metrics.set_stalled(namespace, name, decision.stalled)
         if observed.blocked:
             self.requeue_after(namespace, name, BLOCKED_REQUEUE_SECONDS)
-        self._schedule_stall_check(namespace, name, new, now, stall_timeout)
+        self._schedule_stall_check(namespace, name, new, now, policy.timeout_seconds if policy else None)
         return phase
-
-    def _stall_restart_resume(self, namespace: str, names: dict[str, str], prev: Obj, new: Obj, observed: Observed,
-                              job: s.FinetuneJob) -> bool:
-        """A pending stall restart whose Ray cluster KubeRay has deleted (RayJob Suspended): resume the RayJob,
-        which makes KubeRay create a new cluster and submit the job again (it resumes from its checkpoint).
-        Returns True once the pending mark can go; the resume is patched before the status says so."""
-        if not prev.get("stallRestartPending") or not new.get("stallRestartPending") or job.spec.suspend:
-            return False
-        rj = observed.rayjob
-        if rj is None:
-            return False
-        deploy = (rj.get("status") or {}).get("jobDeploymentStatus")
-        if deploy == "Suspended":
-            self.kube.patch(RAYJOB, namespace, names["rayJob"], suspension_patch(job.spec, False), kind="RayJob")
-            return True
-        # Already resumed (the patch above went out, the status write after it did not): only clear the mark.
-        # (Only our resume sets the RayJob's suspend back to false while the mark is pending.)
-        return not (rj.get("spec") or {}).get("suspend") and deploy not in ("Suspending", "Suspended")
 
     def _schedule_stall_check(self, namespace: str, name: str, status: Obj, now: str, timeout: int | None) -> None:
         """Look again when the job would turn Stalled if no report arrives (at most one timer per job)."""

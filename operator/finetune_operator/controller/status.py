@@ -1,19 +1,20 @@
-"""Derive a FinetuneJob's status from what was observed. Pure: `now` is passed in.
+"""What a FinetuneJob's status is derived from, and the conditions that only report. Pure: `now` is passed in.
 
-Conditions follow the Kubernetes API conventions (lastTransitionTime changes only when status does);
-`phase` is derived from them for the printer column. Training progress and network health are not
-derived here: they arrive through the progress channel and are carried over untouched.
+The phase transitions themselves (which phase, and the condition that says why) are all in
+transitions.py; this module holds what they are built from: the observations (`Observed`), the
+conditions (`Conditions`, following the Kubernetes API conventions: lastTransitionTime changes only when
+status does), the conditions that report what was seen without deciding a phase (network, capacity,
+scheduling, pod health), and the stall window. Training progress and network health are not derived
+here: they arrive through the progress channel and are carried over untouched.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
-from ..api.status import Phase
 from ..api.validation import Issue
 from .capacity import Capacity
 
@@ -83,8 +84,33 @@ def set_condition(conds: list[Obj], ctype: str, status: str, reason: str, messag
     conds.append(cond)
 
 
-def _drop(conds: list[Obj], ctype: str) -> None:
-    conds[:] = [c for c in conds if c["type"] != ctype]
+class Conditions:
+    """A status's conditions while it is derived: `set` moves lastTransitionTime only when the status changes,
+    `listed` returns them in ORDER."""
+
+    def __init__(self, prev: list[Obj] | None, now: str, generation: int | None) -> None:
+        self.items: list[Obj] = [dict(c) for c in prev or []]
+        self.now = now
+        self.generation = generation
+
+    def set(self, ctype: str, ok: bool | None, reason: str, message: str) -> None:
+        set_condition(self.items, ctype, "Unknown" if ok is None else str(ok), reason, message, self.now,
+                      self.generation)
+
+    def drop(self, *ctypes: str) -> None:
+        self.items[:] = [c for c in self.items if c["type"] not in ctypes]
+
+    def get(self, ctype: str) -> Obj | None:
+        return next((c for c in self.items if c["type"] == ctype), None)
+
+    def has(self, ctype: str) -> bool:
+        return self.get(ctype) is not None
+
+    def is_true(self, ctype: str) -> bool:
+        return (self.get(ctype) or {}).get("status") == "True"
+
+    def listed(self) -> list[Obj]:
+        return sorted(self.items, key=lambda c: ORDER.index(c["type"]) if c["type"] in ORDER else 99)
 
 
 def _pod_problems(pods: list[Obj]) -> tuple[list[str], list[tuple[str, str]]]:
@@ -129,41 +155,6 @@ def pods_of(pods: list[Obj], rayjob: Obj) -> list[Obj]:
         elif str(p["metadata"].get("creationTimestamp") or "") >= born:
             out.append(p)
     return out
-
-
-def _attempt(rj_status: Obj, terminal_failed: bool) -> int:
-    failed = int(rj_status.get("failed") or 0)
-    return max(1, failed if terminal_failed and failed else failed + 1)
-
-
-def _decide_lost(status: Obj, conds: list[Obj], cond: Callable[[str, bool | None, str, str], None],
-                 finish: Callable[[Phase, str], Obj], prev: Obj, names: dict[str, str], now: str) -> Obj:
-    """The recorded RayJob vanished before its outcome was observed: it is never re-created (that would
-    run the training again). Decide from what is known: the training runtime's own final report."""
-    status["completionTime"] = status.get("completionTime") or now
-    gone = (f"RayJob {names['rayJob']} was deleted before the operator saw its outcome (KubeRay's "
-            f"DELETE_RAYJOB_CR_AFTER_JOB_FINISHES, a user or a cleanup, possibly while the operator was down)")
-    step = status.get("step")
-    runtime = status.get("runtimePhase")
-    _drop(conds, SUSPENDED)
-    if runtime == "Done":
-        cond(RUNNING, False, "Finished", "the training reported it finished")
-        cond(COMPLETE, True, "TrainingReportedDone",
-             f"{gone}; the training had reported phase Done" + (f" at step {step}" if step else ""))
-        _drop(conds, FAILED)
-        return finish(Phase.succeeded, "fine-tuning succeeded (reported by the training; the RayJob is gone)")
-    if runtime == "Failed":
-        reason, why = "TrainingReportedFailed", f"{gone}; the training had reported phase Failed"
-    else:
-        last = prev.get("phase") or "unknown"
-        reason = "RayJobDeleted"
-        why = (f"{gone}; last known phase {last}" + (f", step {step}" if step else "") +
-               "; no final report from the training. Not re-created, so the training does not run again: "
-               "delete and re-create the FinetuneJob to run it again")
-    _drop(conds, COMPLETE)
-    cond(RUNNING, False, "Finished", "the RayJob is gone")
-    cond(FAILED, True, reason, why)
-    return finish(Phase.failed, why)
 
 
 def parse_time(ts: str | None) -> datetime | None:
@@ -259,211 +250,38 @@ def _network_reason(net: Obj) -> str:
     return "Efa" if transport == "efa" else "Transport" + "".join(w.capitalize() for w in re.split(r"[^A-Za-z0-9]+", transport))
 
 
-def derive_status(
-    *,
-    generation: int | None,
-    suspend: bool,
-    names: dict[str, str],
-    prev: Obj,
-    observed: Observed,
-    now: str,
-    stall_timeout_seconds: int | None = None,
-    detect_stalls: bool = True,
-) -> Obj:
-    conds: list[Obj] = [dict(c) for c in prev.get("conditions") or []]
-    status: Obj = {k: v for k, v in prev.items() if k in CARRIED}
-    status.update(
-        observedGeneration=generation,
-        rayJobName=names["rayJob"],
-    )
+@dataclass(frozen=True)
+class PodTrouble:
+    """What the pods and the Ray cluster say is wrong (it names the reason of a Provisioning job)."""
 
-    def cond(ctype: str, ok: bool | None, reason: str, message: str) -> None:
-        set_condition(conds, ctype, "Unknown" if ok is None else str(ok), reason, message, now, generation)
+    unschedulable: list[str] = field(default_factory=list)  # the scheduler's messages
+    broken: list[tuple[str, str]] = field(default_factory=list)  # (reason, message) of failing containers
+    replica_failure: tuple[str, str] | None = None  # KubeRay could not create the Ray pods
 
-    def finish(phase: Phase, message: str) -> Obj:
-        if phase != Phase.running:
-            _drop(conds, STALLED)
-        status["phase"] = phase.value
-        status["message"] = message
-        status["conditions"] = sorted(conds, key=lambda c: ORDER.index(c["type"]) if c["type"] in ORDER else 99)
-        return {k: v for k, v in status.items() if v is not None}
 
-    # -- spec -----------------------------------------------------------------------------------------
-    if observed.spec_issues:
-        text = "; ".join(str(i) for i in observed.spec_issues)
-        cond(SPEC_VALID, False, "InvalidSpec", text)
-        cond(FAILED, True, "InvalidSpec", text)
-        return finish(Phase.failed, f"invalid spec: {text}")
-    cond(SPEC_VALID, True, "Valid", "spec is valid for the instance type")
-    _drop(conds, RECONCILED)  # this derivation is the outcome of a reconcile that did not fail
-    if observed.blocked:
-        reason, message = observed.blocked
-        cond(BLOCKED, True, reason, message)
-        _drop(conds, RUNNING)
-        return finish(Phase.pending, message)
-    _drop(conds, BLOCKED)
-
-    net = status.get("network") or {}
-    if net.get("healthy") is not None:
-        cond(NETWORK, bool(net["healthy"]), _network_reason(net), net.get("message") or f"collectives over {net.get('transport')}")
-
-    # -- capacity and pods ----------------------------------------------------------------------------
+def report_observations(conds: Conditions, network: Obj, observed: Observed) -> PodTrouble:
+    """The conditions that report what was observed and never decide a phase: NetworkHealthy,
+    CapacityAvailable, WorkersScheduled, PodsHealthy."""
+    if network.get("healthy") is not None:
+        conds.set(NETWORK, bool(network["healthy"]), _network_reason(network),
+                  network.get("message") or f"collectives over {network.get('transport')}")
     if observed.capacity is not None:
         cap = observed.capacity
-        cond(CAPACITY, cap.fits, cap.reason, cap.message)
+        conds.set(CAPACITY, cap.fits, cap.reason, cap.message)
     unsched, broken = _pod_problems(observed.pods)
     worker_pods = [p for p in observed.pods if (p["metadata"].get("labels") or {}).get("ray.io/node-type") == "worker"]
     if unsched:
-        cond(SCHEDULED, False, "Unschedulable", "; ".join(unsched)[:1000])
+        conds.set(SCHEDULED, False, "Unschedulable", "; ".join(unsched)[:1000])
     elif worker_pods:
-        cond(SCHEDULED, True, "Scheduled", f"{len(worker_pods)} worker pod(s) bound to nodes")
+        conds.set(SCHEDULED, True, "Scheduled", f"{len(worker_pods)} worker pod(s) bound to nodes")
     replica_failure = _replica_failure(observed.raycluster)
     if broken:
-        reason = broken[0][0]
-        cond(PODS_HEALTHY, False, reason, "; ".join(m for _, m in broken)[:1000])
+        conds.set(PODS_HEALTHY, False, broken[0][0], "; ".join(m for _, m in broken)[:1000])
     elif replica_failure:
-        cond(PODS_HEALTHY, False, replica_failure[0], replica_failure[1])
+        conds.set(PODS_HEALTHY, False, replica_failure[0], replica_failure[1])
     elif observed.pods:
-        cond(PODS_HEALTHY, True, "ContainersOK", "no image pull or container start failures")
-
-    # -- the RayJob -----------------------------------------------------------------------------------
-    rj = observed.rayjob
-    if rj is None and observed.rayjob_lost:
-        last = observed.last_rayjob_status or {}
-        if last.get("jobDeploymentStatus") in ("Complete", "Failed", "ValidationFailed"):
-            rj = {"status": last}  # the watch saw its final state: decide from that
-        else:
-            return _decide_lost(status, conds, cond, finish, prev, names, now)
-    if rj is None:
-        _drop(conds, RUNNING)
-        if suspend:
-            cond(SUSPENDED, True, "Suspended", "spec.suspend is true")
-            return finish(Phase.suspended, "suspended")
-        return finish(Phase.pending, "creating the RayJob")
-    rs: Obj = rj.get("status") or {}
-    uid = (rj.get("metadata") or {}).get("uid")
-    if uid:
-        status["rayJobUID"] = uid
-    deploy = rs.get("jobDeploymentStatus") or ""
-    job_status = rs.get("jobStatus") or ""
-    for key, src in (("rayClusterName", "rayClusterName"), ("jobId", "jobId"), ("dashboardURL", "dashboardURL")):
-        if rs.get(src):
-            status[key] = rs[src]
-    if rs.get("startTime"):
-        status["startTime"] = rs["startTime"]
-    terminal_failed = deploy in ("Failed", "ValidationFailed") or (deploy == "Complete" and job_status != "SUCCEEDED")
-    status["attempt"] = _attempt(rs, terminal_failed)
-    ray_reason = rs.get("reason") or ""
-    ray_message = rs.get("message") or ""
-
-    if deploy == "Complete" and job_status == "SUCCEEDED":
-        status["completionTime"] = rs.get("endTime") or status.get("completionTime") or now
-        cond(RUNNING, False, "Finished", "the Ray job finished")
-        cond(COMPLETE, True, "Succeeded", "the Ray job succeeded")
-        _drop(conds, FAILED)
-        return finish(Phase.succeeded, "fine-tuning succeeded")
-    if terminal_failed:
-        status["completionTime"] = rs.get("endTime") or status.get("completionTime") or now
-        if deploy == "ValidationFailed":
-            reason = "ValidationFailed"
-        elif ray_reason:
-            reason = ray_reason
-        elif int(rs.get("failed") or 0) > 0 and status["attempt"] > 1:
-            reason = "BackoffLimitExceeded"
-        else:
-            reason = f"Job{job_status.capitalize() or 'Failed'}"
-        message = ray_message or f"RayJob {deploy} (job status {job_status or 'unknown'})"
-        if reason == "DeadlineExceeded":
-            message = f"activeDeadlineSeconds exceeded: {ray_message}".rstrip(": ")
-        cond(RUNNING, False, "Finished", "the Ray job ended")
-        cond(FAILED, True, reason, message)
-        return finish(Phase.failed, message)
-    _drop(conds, COMPLETE)
-    _drop(conds, FAILED)
-    if not suspend and status.get("stallRestartPending"):
-        n = status.get("stallRestarts") or 1
-        why = f"restarting after a stall (restart {n}): the Ray cluster is replaced, the training resumes from its last checkpoint"
-        cond(RUNNING, False, "StallRestart", why)
-        _drop(conds, SUSPENDED)
-        return finish(Phase.provisioning, why)
-    # Suspended with spec.suspend false on the RayJob: KubeRay is about to resume it (not suspended any more).
-    if suspend or deploy == "Suspending" or (deploy == "Suspended" and (rj.get("spec") or {}).get("suspend", True)):
-        cond(RUNNING, False, "Suspended", "suspended")
-        cond(SUSPENDED, True, deploy or "Suspending", "spec.suspend is true: the Ray cluster is deleted")
-        return finish(Phase.suspended, "suspended" if deploy == "Suspended" else "suspending")
-    _drop(conds, SUSPENDED)
-    if deploy == "Running" and not training_started(job_status, status.get("training") or {}, observed.raycluster):
-        # KubeRay says Running as soon as its submitter Job exists; the training has not started until Ray
-        # says the job runs (the driver is up) or the training reports from this Ray cluster.
-        _drop(conds, STALLED)
-        why = (f"starting: the Ray cluster is up and the job is submitted (Ray job status {job_status or 'not known yet'});"
-               " waiting for the driver and the training to start (image pulls, runtime env, ray job submit)")
-        if broken:
-            why = broken[0][1]
-        cond(RUNNING, False, "Starting", why)
-        return finish(Phase.provisioning, why)
-    if deploy == "Running":
-        cond(RUNNING, True, "RayJobRunning", f"Ray job {rs.get('jobId') or ''} {job_status or 'submitted'}".replace("  ", " "))
-        stalled = stall_check(status, conds, now, stall_timeout_seconds) if detect_stalls else None
-        if stalled:
-            cond(STALLED, True, *stalled)
-            return finish(Phase.running, f"stalled: {stalled[1]}")
-        if any(c["type"] == STALLED for c in conds):
-            cond(STALLED, False, "Progressing", "progress reports are arriving")
-        return finish(Phase.running, "training")
-    _drop(conds, STALLED)
-    # Initializing / Waiting / Retrying / New: the cluster is coming up.
-    rc: Obj = (observed.raycluster or {}).get("status") or {}
-    why = "waiting for the Ray cluster"
-    if rc:
-        ready = (rc.get("readyWorkerReplicas") or 0, rc.get("desiredWorkerReplicas") or 0)
-        why = f"waiting for the Ray cluster ({ready[0]}/{ready[1]} workers ready)"
-        if rc.get("reason"):
-            why += f": {rc['reason']}"
-    if deploy == "Retrying":
-        why = f"retrying (attempt {status['attempt']})"
-    if unsched:
-        why = "worker pods unschedulable: " + unsched[0]
-    elif broken:
-        why = broken[0][1]
-    elif replica_failure:
-        why = replica_failure[1]
-    elif observed.capacity is not None and not observed.capacity.fits:
-        why = observed.capacity.message
-    cond(RUNNING, False, "Provisioning", why)
-    return finish(Phase.provisioning, why)
-
-
-def fail_stalled(status: Obj, now: str, why: str = "failed by spec.stallPolicy.action Fail") -> Obj:
-    """spec.stallPolicy.action Fail (or Restart with no restart left): the stalled running job becomes Failed
-    (reason Stalled). Pure."""
-    conds = [dict(c) for c in status.get("conditions") or []]
-    stalled = next(c for c in conds if c["type"] == STALLED)
-    gen = stalled.get("observedGeneration")
-    message = f"stalled ({stalled['reason']}): {stalled['message']}; {why}"[:1000]
-    set_condition(conds, RUNNING, "False", "Finished", "failed as stalled; the Ray cluster is released", now, gen)
-    set_condition(conds, FAILED, "True", "Stalled", message, now, gen)
-    _drop(conds, STALLED)
-    out = {**status, "phase": Phase.failed.value, "message": message, "completionTime": now}
-    out["conditions"] = sorted(conds, key=lambda c: ORDER.index(c["type"]) if c["type"] in ORDER else 99)
-    return out
-
-
-def restart_stalled(status: Obj, now: str, max_restarts: int) -> Obj:
-    """spec.stallPolicy.action Restart: count the restart and mark it pending (the reconciler suspends the
-    RayJob, and resumes it once KubeRay has deleted the Ray cluster). Pure."""
-    conds = [dict(c) for c in status.get("conditions") or []]
-    stalled = next(c for c in conds if c["type"] == STALLED)
-    gen = stalled.get("observedGeneration")
-    n = int(status.get("stallRestarts") or 0) + 1
-    message = (f"stalled ({stalled['reason']}): {stalled['message']}; restart {n} of {max_restarts} by "
-               "spec.stallPolicy.action Restart: the Ray cluster is replaced, the training resumes from its last checkpoint")[:1000]
-    set_condition(conds, RUNNING, "False", "StallRestart", message, now, gen)
-    _drop(conds, STALLED)
-    out = {**status, "phase": Phase.provisioning.value, "message": message[:300], "stallRestarts": n,
-           "stallRestartPending": True}
-    out["conditions"] = sorted(conds, key=lambda c: ORDER.index(c["type"]) if c["type"] in ORDER else 99)
-    return out
+        conds.set(PODS_HEALTHY, True, "ContainersOK", "no image pull or container start failures")
+    return PodTrouble(unsched, broken, replica_failure)
 
 
 def strip_times(status: Obj) -> Obj:
