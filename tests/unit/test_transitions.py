@@ -1,0 +1,172 @@
+"""Every phase transition (controller/transitions.py's table), one case or more per row."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+from finetune_operator.api.spec import StallAction, StallPolicy
+from finetune_operator.api.status import FinetuneJobStatus
+from finetune_operator.api.validation import Issue
+from finetune_operator.controller import transitions
+from finetune_operator.controller.status import Observed
+from finetune_operator.controller.transitions import RayJobAction, decide
+
+from tests.builders import RayJobDoc, StatusDoc
+
+NAMES = {"rayJob": "j"}
+NOW = "2026-12-02T10:00:00Z"
+HOUR_AGO = "2026-12-02T09:00:00Z"
+REPORT = StallPolicy(timeout_seconds=60)
+FAIL = StallPolicy(timeout_seconds=60, action=StallAction.fail)
+RESTART = StallPolicy(timeout_seconds=60, action=StallAction.restart, max_restarts=3)
+
+# A running job whose last progress report is an hour old (past the 60 s window), and a fresh one.
+HUNG = StatusDoc("Running").running_since(HOUR_AGO).reported(HOUR_AGO, step=5, totalSteps=10)
+FRESH = StatusDoc("Running").running_since(HOUR_AGO).reported(NOW, step=6, totalSteps=10)
+PENDING_RESTART = (StatusDoc("Provisioning").condition("Running", "False", "StallRestart", HOUR_AGO)
+                   .set("stallRestarts", 1).set("stallRestartPending", True))
+LOST = StatusDoc("Running").running_since(HOUR_AGO).set("rayJobUID", "rj-1").set("step", "40/50")
+
+
+def lost(last: dict[str, Any] | None = None) -> Observed:
+    return Observed(rayjob_lost=True, last_rayjob_status=last)
+
+
+def rayjob(deploy: str, job: str = "", *, suspend: bool | None = None, **status: Any) -> Observed:
+    doc = RayJobDoc(deploy, job).status(**status)
+    if suspend is not None:
+        doc.suspend(suspend)
+    return Observed(rayjob=doc.obj())
+
+
+@dataclass
+class Case:
+    id: str
+    row: int  # the row of transitions.py's table
+    prev: StatusDoc
+    observed: Observed
+    to: str  # the next phase
+    conds: tuple[tuple[str, str, str], ...]  # (type, status, reason) that must be there
+    action: RayJobAction = RayJobAction.none
+    suspend: bool = False
+    policy: StallPolicy | None = REPORT
+    fields: dict[str, Any] = field(default_factory=dict)  # status fields expected (None: absent)
+    absent: tuple[str, ...] = ()  # condition types that must not be there
+
+
+CASES = [
+    Case("invalid-spec", 1, StatusDoc(), Observed(spec_issues=[Issue("spec.cluster.instanceType", "unknown")]),
+         "Failed", (("SpecValid", "False", "InvalidSpec"), ("Failed", "True", "InvalidSpec")), policy=None),
+    Case("invalid-spec-while-running", 1, FRESH, Observed(spec_issues=[Issue("spec.training", "bad")]),
+         "Failed", (("Failed", "True", "InvalidSpec"),), policy=None),
+    Case("blocked-previous-child", 2, StatusDoc(), Observed(blocked=("WaitingForPreviousChild", "old RayJob j")),
+         "Pending", (("Blocked", "True", "WaitingForPreviousChild"),), absent=("Failed",)),
+    Case("blocked-conflict", 2, StatusDoc(), Observed(blocked=("ChildConflict", "RayJob j exists")),
+         "Pending", (("Blocked", "True", "ChildConflict"),)),
+    Case("blocked-rejected", 2, StatusDoc("Pending"), Observed(blocked=("ChildRejected", "denied")),
+         "Pending", (("Blocked", "True", "ChildRejected"),)),
+    Case("lost-seen-succeeded", 3, LOST, lost({"jobDeploymentStatus": "Complete", "jobStatus": "SUCCEEDED"}),
+         "Succeeded", (("Complete", "True", "Succeeded"),)),
+    Case("lost-seen-failed", 3, LOST, lost({"jobDeploymentStatus": "Failed", "jobStatus": "FAILED", "reason": "AppFailed"}),
+         "Failed", (("Failed", "True", "AppFailed"),)),
+    Case("lost-reported-done", 4, LOST.set("runtimePhase", "Done"), lost(),
+         "Succeeded", (("Complete", "True", "TrainingReportedDone"), ("Running", "False", "Finished")),
+         fields={"completionTime": NOW, "rayJobUID": "rj-1"}),
+    Case("lost-reported-failed", 5, StatusDoc("Running").set("runtimePhase", "Failed"), lost(),
+         "Failed", (("Failed", "True", "TrainingReportedFailed"),)),
+    Case("lost-no-report", 6, LOST, lost(), "Failed", (("Failed", "True", "RayJobDeleted"), ("Running", "False", "Finished"))),
+    Case("lost-last-seen-running", 6, LOST, lost({"jobDeploymentStatus": "Running"}),
+         "Failed", (("Failed", "True", "RayJobDeleted"),)),
+    Case("suspended-before-creation", 7, StatusDoc(), Observed(), "Suspended", (("Suspended", "True", "Suspended"),),
+         suspend=True),
+    Case("new", 8, StatusDoc(), Observed(), "Pending", (), absent=("Running",), fields={"message": "creating the RayJob"}),
+    Case("succeeded", 9, FRESH, rayjob("Complete", "SUCCEEDED", endTime=NOW),
+         "Succeeded", (("Complete", "True", "Succeeded"), ("Running", "False", "Finished")), absent=("Stalled",),
+         fields={"completionTime": NOW}),
+    Case("app-failed", 10, FRESH, rayjob("Failed", "FAILED", reason="AppFailed", message="exit 1"),
+         "Failed", (("Failed", "True", "AppFailed"), ("Running", "False", "Finished"))),
+    Case("deadline", 10, StatusDoc("Provisioning"), rayjob("Failed", reason="DeadlineExceeded", message="past 5s"),
+         "Failed", (("Failed", "True", "DeadlineExceeded"),)),
+    Case("validation-failed", 10, StatusDoc("Pending"), rayjob("ValidationFailed", message="bad spec"),
+         "Failed", (("Failed", "True", "ValidationFailed"),)),
+    Case("backoff-limit", 10, FRESH, rayjob("Failed", "FAILED", failed=3),
+         "Failed", (("Failed", "True", "BackoffLimitExceeded"),), fields={"attempt": 3}),
+    Case("complete-not-succeeded", 10, FRESH, rayjob("Complete", "STOPPED"), "Failed", (("Failed", "True", "JobStopped"),)),
+    Case("stall-restart-under-way", 11, PENDING_RESTART, rayjob("Suspending", suspend=True),
+         "Provisioning", (("Running", "False", "StallRestart"),), absent=("Suspended",),
+         fields={"stallRestartPending": True}),
+    Case("suspend-while-running", 12, FRESH, rayjob("Suspending", "RUNNING", suspend=True),
+         "Suspended", (("Suspended", "True", "Suspending"), ("Running", "False", "Suspended")), suspend=True,
+         fields={"message": "suspending"}),
+    Case("suspended", 12, StatusDoc("Suspended"), rayjob("Suspended", suspend=True),
+         "Suspended", (("Suspended", "True", "Suspended"),), suspend=True, fields={"message": "suspended"}),
+    Case("suspended-rayjob-held-by-hand", 12, StatusDoc("Provisioning"), rayjob("Suspended"),
+         "Suspended", (("Suspended", "True", "Suspended"),)),
+    Case("starting", 13, StatusDoc("Provisioning"), rayjob("Running", "PENDING"),
+         "Provisioning", (("Running", "False", "Starting"),)),
+    Case("starting-job-status-unknown", 13, StatusDoc("Provisioning"), rayjob("Running"),
+         "Provisioning", (("Running", "False", "Starting"),)),
+    Case("running", 14, StatusDoc("Provisioning"), rayjob("Running", "RUNNING", jobId="raysubmit_1"),
+         "Running", (("Running", "True", "RayJobRunning"),)),
+    Case("running-reported-from-this-cluster", 14, StatusDoc("Provisioning").reported(NOW, step=1), rayjob("Running", "PENDING"),
+         "Running", (("Running", "True", "RayJobRunning"),)),
+    Case("finishing", 14, FRESH, rayjob("Running", "SUCCEEDED"), "Running", (("Running", "True", "RayJobRunning"),)),
+    Case("stalled-no-progress", 15, HUNG, rayjob("Running", "RUNNING"),
+         "Running", (("Stalled", "True", "NoProgress"),)),
+    Case("stalled-nccl-watchdog", 15, FRESH.set("network", {"healthy": False, "message": "Watchdog caught collective operation timeout"}),
+         rayjob("Running", "RUNNING"), "Running", (("Stalled", "True", "NcclWatchdogTimeout"),)),
+    Case("stall-recovered", 16, FRESH.condition("Stalled", "True", "NoProgress", HOUR_AGO), rayjob("Running", "RUNNING"),
+         "Running", (("Stalled", "False", "Progressing"),)),
+    Case("initializing", 17, StatusDoc("Pending"), rayjob("Initializing"),
+         "Provisioning", (("Running", "False", "Provisioning"),)),
+    Case("retrying", 17, FRESH, rayjob("Retrying", failed=1), "Provisioning", (("Running", "False", "Provisioning"),),
+         absent=("Stalled",), fields={"attempt": 2, "message": "retrying (attempt 2)"}),
+    Case("resuming", 17, StatusDoc("Suspended"), rayjob("Suspended", suspend=False),
+         "Provisioning", (("Running", "False", "Provisioning"),), absent=("Suspended",)),
+    Case("stall-fails", 18, HUNG, rayjob("Running", "RUNNING"), "Failed",
+         (("Failed", "True", "Stalled"), ("Running", "False", "Finished")), action=RayJobAction.release, policy=FAIL,
+         absent=("Stalled",), fields={"completionTime": NOW}),
+    Case("stall-restarts", 19, HUNG, rayjob("Running", "RUNNING"), "Provisioning",
+         (("Running", "False", "StallRestart"),), action=RayJobAction.restart, policy=RESTART, absent=("Stalled",),
+         fields={"stallRestarts": 1, "stallRestartPending": True}),
+    Case("stall-restarts-again", 19, HUNG.set("stallRestarts", 2), rayjob("Running", "RUNNING"), "Provisioning",
+         (("Running", "False", "StallRestart"),), action=RayJobAction.restart, policy=RESTART,
+         fields={"stallRestarts": 3, "stallRestartPending": True}),
+    Case("stall-restarts-exhausted", 20, HUNG.set("stallRestarts", 3), rayjob("Running", "RUNNING"), "Failed",
+         (("Failed", "True", "Stalled"),), action=RayJobAction.release, policy=RESTART,
+         fields={"stallRestarts": 3}),
+    Case("stall-restart-resumes", 21, PENDING_RESTART, rayjob("Suspended", suspend=True), "Provisioning",
+         (("Running", "False", "StallRestart"),), action=RayJobAction.resume, policy=RESTART,
+         fields={"stallRestartPending": None, "stallRestarts": 1}),
+    Case("stall-restart-already-resumed", 21, PENDING_RESTART, rayjob("Initializing", suspend=False), "Provisioning",
+         (("Running", "False", "StallRestart"),), policy=RESTART, fields={"stallRestartPending": None}),
+    Case("failed-is-final", 22, StatusDoc("Failed").condition("Failed", "True", "Stalled", HOUR_AGO),
+         rayjob("Suspended", suspend=True), "Failed", (("Failed", "True", "Stalled"),), absent=("Suspended",)),
+    Case("succeeded-is-final", 22, StatusDoc("Succeeded").condition("Complete", "True", "Succeeded", HOUR_AGO),
+         Observed(), "Succeeded", (("Complete", "True", "Succeeded"),)),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_transition(case: Case) -> None:
+    d = decide(generation=1, suspend=case.suspend, names=NAMES, prev=case.prev.obj(), observed=case.observed, now=NOW,
+               policy=case.policy)
+    st = d.status
+    assert (st["phase"], d.action) == (case.to, case.action), st.get("message")
+    have = {c["type"]: (c["type"], c["status"], c["reason"]) for c in st.get("conditions") or []}
+    for want in case.conds:
+        assert have.get(want[0]) == want
+    assert [t for t in case.absent if t in have] == []
+    for key, value in case.fields.items():
+        assert st.get(key) == value, key
+    assert d.stalled == (case.row in (15, 19))
+    FinetuneJobStatus.model_validate(st)  # every derived status is one the CRD accepts
+
+
+def test_every_row_of_the_table_has_a_case() -> None:
+    rows = {int(n) for n in re.findall(r"^\| (\d+) +\|", transitions.__doc__ or "", re.M)}
+    assert rows == set(range(1, 23))
+    assert {c.row for c in CASES} == rows
