@@ -106,9 +106,6 @@ class Conditions:
     def has(self, ctype: str) -> bool:
         return self.get(ctype) is not None
 
-    def is_true(self, ctype: str) -> bool:
-        return (self.get(ctype) or {}).get("status") == "True"
-
     def listed(self) -> list[Obj]:
         return sorted(self.items, key=lambda c: ORDER.index(c["type"]) if c["type"] in ORDER else 99)
 

@@ -6,38 +6,41 @@ status if it changed, and carries out the decision's RayJob action; it decides n
 observations and the conditions that only report (network, capacity, scheduling, pod health) are in
 status.py.
 
-The rows are tried in this order; the first that matches wins ("any": any phase that is not final).
+Rows 1-17 are tried in this order and the first that matches wins ("any": any phase that is not final);
+rows 18-21 then act on that outcome, and row 22 overrides every other row.
 
-| #  | from                  | trigger                                                          | to           | condition=status (reason)                                          | RayJob action |
-| -- | --------------------- | ---------------------------------------------------------------- | ------------ | ------------------------------------------------------------------ | ------------- |
-| 1  | any                   | spec invalid (schema, instance type, allow-list)                 | Failed       | SpecValid=False, Failed=True (InvalidSpec)                         |               |
-| 2  | any                   | a child's name is taken, or the API server refused a child       | Pending      | Blocked=True (WaitingForPreviousChild, ChildConflict, ChildRejected) |             |
-| 3  | any                   | recorded RayJob gone, its final state seen by the watch          | as 9 or 10, from that state                                                       | |               |
-| 4  | any                   | recorded RayJob gone, the training had reported Done             | Succeeded    | Complete=True (TrainingReportedDone)                               |               |
-| 5  | any                   | recorded RayJob gone, the training had reported Failed           | Failed       | Failed=True (TrainingReportedFailed)                               |               |
-| 6  | any                   | recorded RayJob gone, no final report                            | Failed       | Failed=True (RayJobDeleted)                                        |               |
-| 7  | (none), Pending       | no RayJob, spec.suspend                                          | Suspended    | Suspended=True (Suspended)                                         |               |
-| 8  | (none), Pending       | no RayJob yet                                                    | Pending      | (none: it is about to be created)                                  |               |
-| 9  | any                   | RayJob Complete, job SUCCEEDED                                   | Succeeded    | Complete=True (Succeeded), Running=False (Finished)                |               |
-| 10 | any                   | RayJob Failed, ValidationFailed, or Complete without SUCCEEDED   | Failed       | Failed=True (ValidationFailed; KubeRay's reason: DeadlineExceeded, AppFailed, ...; BackoffLimitExceeded; Job<status>) | |
-| 11 | Provisioning          | a stall restart is pending (row 19), spec.suspend false           | Provisioning | Running=False (StallRestart)                                       |               |
-| 12 | any                   | spec.suspend, or RayJob Suspending, or Suspended and held so     | Suspended    | Suspended=True (Suspending, Suspended), Running=False (Suspended)  |               |
-| 13 | any                   | RayJob Running, the training has not started                     | Provisioning | Running=False (Starting)                                           |               |
-| 14 | any                   | RayJob Running, the training started                             | Running      | Running=True (RayJobRunning)                                       |               |
-| 15 | Running               | no progress report within the stall window, or an NCCL watchdog  | Running      | Stalled=True (NoProgress, NcclWatchdogTimeout)                     |               |
-| 16 | Running (stalled)     | progress reports again                                           | Running      | Stalled=False (Progressing)                                        |               |
-| 17 | any                   | RayJob New, Initializing, Waiting, Retrying                      | Provisioning | Running=False (Provisioning)                                       |               |
-| 18 | Running (stalled)     | stallPolicy Fail                                                 | Failed       | Failed=True (Stalled), Running=False (Finished)                    | release       |
-| 19 | Running (stalled)     | stallPolicy Restart, fewer than maxRestarts so far               | Provisioning | Running=False (StallRestart); stallRestarts+1, stallRestartPending | restart       |
-| 20 | Running (stalled)     | stallPolicy Restart, maxRestarts reached                         | Failed       | Failed=True (Stalled: "failed after N restart(s)")                 | release       |
-| 21 | Provisioning (row 11) | RayJob Suspended (KubeRay deleted the Ray cluster)               | Provisioning | Running=False (StallRestart); stallRestartPending cleared          | resume        |
-| 22 | Succeeded, Failed     | anything                                                         | unchanged    | unchanged (a verdict is final; only observedGeneration follows)    |               |
+| #  | from                  | trigger                                                         | to           | condition=status (reason)                                            | RayJob action |
+| -- | --------------------- | --------------------------------------------------------------- | ------------ | -------------------------------------------------------------------- | ------------- |
+| 1  | any                   | spec invalid (schema, instance type, allow-list)                | Failed       | SpecValid=False, Failed=True (InvalidSpec)                           |               |
+| 2  | any                   | a child's name is taken, or the API server refused a child      | Pending      | Blocked=True (WaitingForPreviousChild, ChildConflict, ChildRejected) |               |
+| 3  | any                   | recorded RayJob gone, its final state seen by the watch         | as 9, 10     | as 9, 10 (from that final state)                                     |               |
+| 4  | any                   | recorded RayJob gone, the training had reported Done            | Succeeded    | Complete=True (TrainingReportedDone)                                 |               |
+| 5  | any                   | recorded RayJob gone, the training had reported Failed          | Failed       | Failed=True (TrainingReportedFailed)                                 |               |
+| 6  | any                   | recorded RayJob gone, no final report                           | Failed       | Failed=True (RayJobDeleted)                                          |               |
+| 7  | (none), Pending       | no RayJob, spec.suspend                                         | Suspended    | Suspended=True (Suspended)                                           |               |
+| 8  | (none), Pending       | no RayJob yet                                                   | Pending      | (none: it is about to be created)                                    |               |
+| 9  | any                   | RayJob Complete, job SUCCEEDED                                  | Succeeded    | Complete=True (Succeeded), Running=False (Finished)                  |               |
+| 10 | any                   | RayJob Failed, ValidationFailed, or Complete without SUCCEEDED  | Failed       | Failed=True (ValidationFailed, KubeRay's reason, BackoffLimitExceeded, Job<status>) |               |
+| 11 | Provisioning          | a stall restart is pending (row 19), spec.suspend false         | Provisioning | Running=False (StallRestart)                                         |               |
+| 12 | any                   | spec.suspend, or RayJob Suspending, or Suspended and held so    | Suspended    | Suspended=True (Suspending, Suspended), Running=False (Suspended)    |               |
+| 13 | any                   | RayJob Running, the training has not started                    | Provisioning | Running=False (Starting)                                             |               |
+| 14 | any                   | RayJob Running, the training started                            | Running      | Running=True (RayJobRunning)                                         |               |
+| 15 | Running               | no progress report within the stall window, or an NCCL watchdog | Running      | Stalled=True (NoProgress, NcclWatchdogTimeout)                       |               |
+| 16 | Running (stalled)     | progress reports again                                          | Running      | Stalled=False (Progressing)                                          |               |
+| 17 | any                   | RayJob New, Initializing, Waiting, Retrying                     | Provisioning | Running=False (Provisioning)                                         |               |
+| 18 | Running (stalled)     | stallPolicy Fail                                                | Failed       | Failed=True (Stalled), Running=False (Finished)                      | release       |
+| 19 | Running (stalled)     | stallPolicy Restart, fewer than maxRestarts so far              | Provisioning | Running=False (StallRestart); stallRestarts+1, stallRestartPending   | restart       |
+| 20 | Running (stalled)     | stallPolicy Restart, maxRestarts reached                        | Failed       | Failed=True (Stalled: "failed after N restart(s)")                   | release       |
+| 21 | Provisioning (row 11) | RayJob Suspended (KubeRay deleted the Ray cluster)              | Provisioning | Running=False (StallRestart); stallRestartPending cleared            | resume        |
+| 22 | Succeeded, Failed     | anything                                                        | unchanged    | unchanged (a verdict is final; only observedGeneration follows)      |               |
 
 Rows 1-17 are `derive_status` (what was observed); 18-22 are `decide` on top of it (the stall policy, the
-restart's resume, final verdicts). stallPolicy Report stops at row 15. Row 21 also clears the mark without
-an action when the RayJob is already resumed (the resume went out, the status write after it did not).
-A leaving phase drops the conditions of the phase it leaves (Stalled leaves with Running, Blocked with
-Pending, ...). A reconcile that raises changes no phase: it records Reconciled=False (reconcile.py).
+restart's resume, final verdicts). KubeRay's reason in row 10 is e.g. DeadlineExceeded
+(activeDeadlineSeconds) or AppFailed; BackoffLimitExceeded when retries ran out without one. stallPolicy
+Report stops at row 15. Row 21 also clears the mark without an action when the RayJob is already resumed
+(the resume went out, the status write after it did not). A phase left behind takes its conditions with
+it (Stalled leaves with Running, Blocked with Pending, ...). A reconcile that raises changes no phase: it
+records Reconciled=False (reconcile.py).
 
 RayJob actions, carried out by the reconciler: `release` suspends the RayJob (KubeRay deletes the Ray
 cluster, the GPUs are free); `restart` suspends it too and posts a Warning Event StallRestart; `resume`
