@@ -1,8 +1,8 @@
 """The level-based reconcile: look at the world, close the gap, write status once.
 
 `plan_children` and `transitions.decide` decide (pure); `Reconciler.reconcile` observes, and carries out
-their decisions via the Kube client. Idempotent: with nothing changed it makes no write at all (children carry a hash of
-what was rendered; status is compared before patching).
+their decisions via the Kube client. Idempotent: with nothing changed it makes no write at all (children
+carry a hash of what was rendered; status is compared before patching).
 """
 
 from __future__ import annotations
