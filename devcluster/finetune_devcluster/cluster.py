@@ -37,8 +37,7 @@ from typing import Any
 
 import yaml
 
-from . import build, nodes, pki
-from . import node as realnode
+from . import build, kwok_nodes, pki, realnode
 from .versions import KUBERNETES_VERSION
 
 # The app.kubernetes.io/component label of the submitter pods the operator renders (render/rayjob.py).
@@ -378,7 +377,7 @@ class DevCluster:
                 str(bins["kwok"]),
                 f"--kubeconfig={kc}",
                 *[f"--config={p}" for p in self._kwok_stages()],
-                f"--manage-nodes-with-annotation-selector={nodes.KWOK_ANNOTATION}=fake",
+                f"--manage-nodes-with-annotation-selector={kwok_nodes.KWOK_ANNOTATION}=fake",
                 "--node-lease-duration-seconds=40",
                 f"--cidr={POD_CIDR}",
             ],
@@ -547,7 +546,7 @@ class DevCluster:
     def _create_node(self, api: _Api, name: str, instance_type: str, nodegroup: str, index: int | None = None) -> None:
         if index is None:
             index = len(api.get("/api/v1/nodes")["items"])
-        manifest = nodes.node_manifest(name, instance_type, nodegroup, index, KUBERNETES_VERSION)
+        manifest = kwok_nodes.node_manifest(name, instance_type, nodegroup, index, KUBERNETES_VERSION)
         api.request("POST", "/api/v1/nodes", manifest)
         # Status is kept on create, but set it again through the subresource so it holds whatever the
         # create strategy does in future versions.

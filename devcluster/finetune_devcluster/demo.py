@@ -29,8 +29,7 @@ from typing import Any
 
 import yaml
 
-from . import build, images
-from . import node as realnode
+from . import build, images, realnode
 from .cluster import DevCluster, DevClusterError
 
 Log = Callable[[str], None]

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 from finetune_devcluster import DevCluster, build, oci
-from finetune_devcluster import node as realnode
+from finetune_devcluster import realnode
 from kubernetes import client, config
 
 from .conftest import create_namespace, wait_for

@@ -9,7 +9,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from finetune_devcluster import build, gen_tools, nodes, pki
+from finetune_devcluster import build, gen_tools, kwok_nodes, pki
 from finetune_devcluster.versions import ALL_COMPONENTS, KUBERNETES_VERSION
 
 TOOLS = Path(gen_tools.__file__).parent / "tools"
@@ -65,7 +65,7 @@ def test_kubernetes_wrapper_replaces_staging_with_published_versions() -> None:
 def test_node_shape(
     instance_type: str, cpu: str, memory: str, gpus: str | None, efa: str | None, hugepages: str, taints: int
 ) -> None:
-    node = nodes.node_manifest("n", instance_type, "group", 0)
+    node = kwok_nodes.node_manifest("n", instance_type, "group", 0)
     alloc = node["status"]["allocatable"]
     assert (alloc["cpu"], alloc["memory"], alloc["hugepages-2Mi"], alloc["pods"]) == (cpu, memory, hugepages, "110")
     assert alloc.get("nvidia.com/gpu") == gpus
@@ -73,13 +73,13 @@ def test_node_shape(
     assert len(node["spec"]["taints"]) == taints
     labels = node["metadata"]["labels"]
     assert labels["node.kubernetes.io/instance-type"] == instance_type
-    assert labels["topology.kubernetes.io/zone"] == nodes.ZONE
-    assert node["metadata"]["annotations"][nodes.KWOK_ANNOTATION] == "fake"
+    assert labels["topology.kubernetes.io/zone"] == kwok_nodes.ZONE
+    assert node["metadata"]["annotations"][kwok_nodes.KWOK_ANNOTATION] == "fake"
 
 
 def test_unknown_instance_type_is_a_clear_error() -> None:
     with pytest.raises(ValueError, match="unknown instance type 'x1.huge'"):
-        nodes.node_manifest("n", "x1.huge", "group", 0)
+        kwok_nodes.node_manifest("n", "x1.huge", "group", 0)
 
 
 @pytest.mark.parametrize("backend", ["cryptography", "openssl"])

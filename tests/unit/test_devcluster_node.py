@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 from finetune_devcluster import build, gen_tools, oci
-from finetune_devcluster import node as realnode
+from finetune_devcluster import realnode
 from finetune_devcluster.versions import COMPONENTS, KUBELET_API_VERSION, NODE_COMPONENTS
 
 TOOLS = Path(gen_tools.__file__).parent / "tools"
