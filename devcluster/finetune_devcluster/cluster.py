@@ -38,6 +38,7 @@ from typing import Any
 import yaml
 
 from . import build, kwok_nodes, pki, realnode
+from .ports import free_port
 from .versions import KUBERNETES_VERSION
 
 # The app.kubernetes.io/component label of the submitter pods the operator renders (render/rayjob.py).
@@ -91,12 +92,6 @@ def default_crd_dirs() -> list[Path]:
         if (parent / "pyproject.toml").is_file() and (parent / "crds").is_dir():
             return [parent / "crds"]
     return []
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _proc_start_time(pid: int) -> int | None:
@@ -281,7 +276,7 @@ class DevCluster:
                 f"--kubelet-client-key={kkey}",
                 "--kubelet-preferred-address-types=InternalIP",
             ]
-        ports = {n: _free_port() for n in ("etcd", "etcd-peer", "apiserver", "kcm", "scheduler", "ray-probe")}
+        ports = {n: free_port() for n in ("etcd", "etcd-peer", "apiserver", "kcm", "scheduler", "ray-probe")}
         server = f"https://127.0.0.1:{ports['apiserver']}"
         self._save_state(
             {"server": server, "ports": ports, "processes": {}, "phase": "starting", "kubeconfig": str(self.kubeconfig)}
@@ -645,8 +640,8 @@ class DevCluster:
         rn.make_bridge()
         rn.write_cni_config()
         self._serve_apiserver_to_pods(api, server, deadline)
-        ports = {n: _free_port() for n in ("kubelet", "kubelet-healthz", "kube-proxy-healthz", "kube-proxy-metrics")}
-        ports.update({n: _free_port() for n in ("coredns-health", "coredns-ready")})
+        ports = {n: free_port() for n in ("kubelet", "kubelet-healthz", "kube-proxy-healthz", "kube-proxy-metrics")}
+        ports.update({n: free_port() for n in ("coredns-health", "coredns-ready")})
         path_env = {"PATH": f"{bins['containerd'].parent}:{bins['runc'].parent}:{os.environ.get('PATH', '')}"}
         self._spawn(
             "containerd",
