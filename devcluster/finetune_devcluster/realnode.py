@@ -14,7 +14,7 @@ How it fits this machine (see docs/dev-cluster.md, "The real node"):
   (iptables mode) makes ClusterIPs work; CoreDNS runs as a host process bound to the gateway address
   behind the ``kube-dns`` Service (``10.96.0.10``) and answers only ``cluster.local`` (no forwarding).
   The ``kubernetes`` Service's endpoint is a forwarder on the gateway address to the apiserver on
-  127.0.0.1 (``DevCluster._serve_apiserver_to_pods``): pods use in-cluster config as anywhere.
+  127.0.0.1 (``realnode_wiring.serve_apiserver_to_pods``): pods use in-cluster config as anywhere.
 - :meth:`RealNode.teardown` undoes everything: container processes, shims, mounts under the node's
   directories, the bridge and veths, kube-proxy's rules, the cgroups in every hierarchy, the sysctls
   kubelet changes, and files written outside the work directory.

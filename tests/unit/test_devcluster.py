@@ -125,6 +125,7 @@ def test_tcp_forwarder_passes_bytes_both_ways_and_the_half_close(tmp_path: Path)
     import threading
 
     from finetune_devcluster import tcpforward
+    from finetune_devcluster.ports import free_port
 
     server = socket.create_server(("127.0.0.1", 0))
     target = server.getsockname()[1]
@@ -138,9 +139,7 @@ def test_tcp_forwarder_passes_bytes_both_ways_and_the_half_close(tmp_path: Path)
             conn.sendall(data.upper())
 
     threading.Thread(target=echo_upper, daemon=True).start()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        listen = s.getsockname()[1]
+    listen = free_port()
     proc = subprocess.Popen([sys.executable, tcpforward.__file__, f"127.0.0.1:{listen}", f"127.0.0.1:{target}"],
                             stdout=subprocess.PIPE, text=True)
     try:
