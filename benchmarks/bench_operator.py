@@ -354,7 +354,7 @@ def main() -> int:
             with logs[-1].open() as f:
                 f.seek(mark)
                 print(f.read()[-12000:])
-        per_res = etcd_bytes(f"http://127.0.0.1:{cluster._state()['ports']['etcd']}", ns)
+        per_res = etcd_bytes(f"http://127.0.0.1:{cluster.port('etcd')}", ns)
         ours_res = ("finetune.dev/finetunejobs", "ray.io/rayjobs", "configmaps", "events")
         print(f"etcd bytes per job: {sum(per_res.values()) / args.jobs:.0f} in all, "
               f"{sum(v for k, v in per_res.items() if k in ours_res) / args.jobs:.0f} in FinetuneJob + RayJob + "

@@ -4,7 +4,7 @@ Layout of the cache (``$FINETUNE_CACHE_DIR``, default ``~/.cache/finetune-operat
 
     bin/kubernetes-v1.37.2/{kube-apiserver,kube-controller-manager,kube-scheduler}
     bin/etcd-v3.7.3/etcd
-    bin/kuberay-v1.6.1/ray-operator   bin/kuberay-v1.6.1/crds/ray.io_*.yaml
+    bin/kuberay-<KUBERAY_VERSION>/ray-operator   bin/kuberay-<KUBERAY_VERSION>/crds/ray.io_*.yaml
     bin/kwok-v0.8.0/kwok              bin/kwok-v0.8.0/stages/*.yaml
     bin/kubernetes-node-v1.37.2/{kubelet,kube-proxy,kubectl}   bin/containerd-v2.4.2/{containerd,ctr,...}
     bin/runc-v1.5.3/runc  bin/cni-plugins-v1.10.0/{bridge,...}  bin/coredns-v1.15.0/coredns
@@ -27,7 +27,6 @@ binaries are all there is not built, and those binaries are used instead of the 
 from __future__ import annotations
 
 import argparse
-import fcntl
 import hashlib
 import json
 import os
@@ -35,13 +34,14 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable, Sequence
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from .filelock import file_lock
 from .versions import ALL_COMPONENTS, COMPONENTS, NODE_COMPONENTS, Component
 
 TOOLS_DIR = Path(__file__).parent / "tools"
@@ -187,17 +187,9 @@ def missing(components: dict[str, Component] | None = None) -> list[str]:
     return [c.name for c in comps.values() if _needs_build(c, None, force=False)]
 
 
-@contextmanager
-def _lock(name: str = ".build.lock") -> Iterator[None]:
+def _lock(name: str = ".build.lock") -> AbstractContextManager[None]:
     """Serialise builds between processes (two test sessions starting at once share the cache)."""
-    path = cache_dir() / "bin" / name
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+    return file_lock(cache_dir() / "bin" / name)
 
 
 def _ldflags(comp: Component, info: dict[str, Any]) -> str:
@@ -263,9 +255,7 @@ def apt_install(packages: Sequence[str]) -> tuple[bool, str]:
         return False, "there is no apt-get"
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
     wait = ["-o", "DPkg::Lock::Timeout=600"]
-    cache_dir().mkdir(parents=True, exist_ok=True)
-    with open(cache_dir() / ".apt.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    with file_lock(cache_dir() / ".apt.lock"):
         r = subprocess.run([apt, *wait, "install", "-y", "-q", *packages], env=env, capture_output=True, text=True)
         if r.returncode != 0:
             subprocess.run([apt, *wait, "update", "-q"], env=env, capture_output=True)

@@ -10,7 +10,7 @@ and the end-to-end test (tests/integration/test_e2e_real_node.py) share these st
    node, the local Ray image allowed by the admission policy and used for KubeRay's submitter. Everything
    else is production's: two replicas on the pod network (one leads by Lease, the other stands by, both
    Ready), a RollingUpdate that surges one pod, in-cluster config through the ``kubernetes`` Service (on a
-   real node its endpoint forwards to the apiserver, see ``DevCluster._serve_apiserver_to_pods``), and
+   real node its endpoint forwards to the apiserver, see ``realnode_wiring.serve_apiserver_to_pods``), and
    the Ray pods' progress reaching the leader through the ``finetune-operator`` Service.
 3. :func:`prepare_claim`: the ``finetune-local`` claim (a local PersistentVolume) holding the shipped tiny
    model and data; the job reads them and writes checkpoints and the export there.
@@ -29,8 +29,7 @@ from typing import Any
 
 import yaml
 
-from . import build, images
-from . import node as realnode
+from . import build, images, realnode
 from .cluster import DevCluster, DevClusterError
 
 Log = Callable[[str], None]

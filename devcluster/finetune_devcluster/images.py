@@ -27,10 +27,7 @@ packages, installed with apt-get when missing (:func:`ensure_tools`).
 from __future__ import annotations
 
 import argparse
-import fcntl
-import gzip
 import hashlib
-import io
 import json
 import os
 import re
@@ -39,16 +36,24 @@ import shutil
 import signal
 import subprocess
 import sys
-import tarfile
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
-from .build import apt_install, cache_dir
+from .build import apt_install
+from .filelock import file_lock
+from .oci import (
+    Blob,
+    ImageArchive,
+    file_digest,
+    images_dir,
+    tar_layout,
+    write_index,
+    write_layout,
+)
 
 Log = Callable[[str], None]
 
@@ -68,24 +73,13 @@ HOST_CA = "/etc/ssl/certs/ca-certificates.crt"
 SRC = "/src"
 # Reproducible archives: every file and the image config carry this time (2026-01-01T00:00:00Z).
 EPOCH = 1767225600
+# Each layer's history entry in an image config (part of the image bytes: keep it).
+CREATED_BY = "finetune_devcluster.images"
 APT_PACKAGES = {"mmdebstrap": "mmdebstrap", "buildah": "buildah", "zstd": "zstd", "unshare": "util-linux"}
 
 
 class ImageError(RuntimeError):
     """A build step failed; the message names the step and the log file."""
-
-
-@dataclass(frozen=True)
-class ImageArchive:
-    """An OCI image archive on disk: import with ``ctr -n k8s.io images import <path>``, use ``ref`` in pods."""
-
-    ref: str
-    path: Path
-    key: str
-
-
-def images_dir() -> Path:
-    return cache_dir() / "images"
 
 
 def _key(*parts: bytes | str) -> str:
@@ -133,16 +127,8 @@ def ensure_tools(names: Sequence[str], log: Log = print) -> None:
         raise ImageError(f"apt-get install {' '.join(missing)} failed:\n{out}")
 
 
-@contextmanager
-def _lock(name: str) -> Iterator[None]:
-    path = images_dir() / f".{name}.lock"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+def _lock(name: str) -> AbstractContextManager[None]:
+    return file_lock(images_dir() / f".{name}.lock")
 
 
 def _run_logged(cmd: Sequence[str], logfile: Path, step: str, **kw: Any) -> None:
@@ -344,23 +330,7 @@ def run_in_stack(stack: str, argv: Sequence[str], *, env: dict[str, str] | None 
 # ------------------------------------------------------------------------------------------------ OCI
 
 
-@dataclass(frozen=True)
-class _Blob:
-    digest: str
-    size: int
-    media_type: str
-    diff_id: str = ""
-
-
-def _sha(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
-    return "sha256:" + h.hexdigest()
-
-
-def _layer(blobs: Path, root: Path, members: Sequence[str], prefix: str = "", exclude: Sequence[str] = ()) -> _Blob:
+def _layer(blobs: Path, root: Path, members: Sequence[str], prefix: str = "", exclude: Sequence[str] = ()) -> Blob:
     """A zstd-compressed tar layer of ``members`` (relative to ``root``), stored as prefix/<member> in the tar.
 
     GNU tar with sorted names, numeric owners and a fixed mtime: the same tree gives the same digest.
@@ -383,135 +353,12 @@ def _layer(blobs: Path, root: Path, members: Sequence[str], prefix: str = "", ex
         z.stdin.close()
         if t.wait() != 0 or z.wait() != 0:
             raise ImageError(f"packing a layer of {root} failed (tar rc={t.returncode}, zstd rc={z.returncode})")
-    digest = _sha(tmp)
+    digest = file_digest(tmp)
     final = blobs / digest.split(":")[1]
     tmp.rename(final)
-    return _Blob(digest, final.stat().st_size, "application/vnd.oci.image.layer.v1.tar+zstd",
+    return Blob(digest, final.stat().st_size, "application/vnd.oci.image.layer.v1.tar+zstd",
                  "sha256:" + diff.hexdigest())
 
-
-def _json_blob(blobs: Path, doc: dict[str, Any], media_type: str) -> _Blob:
-    data = json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
-    digest = "sha256:" + hashlib.sha256(data).hexdigest()
-    (blobs / digest.split(":")[1]).write_bytes(data)
-    return _Blob(digest, len(data), media_type)
-
-
-def _write_layout(layout: Path, layers: Sequence[_Blob], config: dict[str, Any], ref: str) -> None:
-    blobs = layout / "blobs" / "sha256"
-    cfg = {
-        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(EPOCH)),
-        "architecture": "amd64", "os": "linux", "config": config,
-        "rootfs": {"type": "layers", "diff_ids": [b.diff_id for b in layers]},
-        "history": [{"created_by": f"finetune_devcluster.images layer {i}"} for i in range(len(layers))],
-    }
-    cfg_blob = _json_blob(blobs, cfg, "application/vnd.oci.image.config.v1+json")
-    manifest = {
-        "schemaVersion": 2, "mediaType": "application/vnd.oci.image.manifest.v1+json",
-        "config": {"mediaType": cfg_blob.media_type, "digest": cfg_blob.digest, "size": cfg_blob.size},
-        "layers": [{"mediaType": b.media_type, "digest": b.digest, "size": b.size} for b in layers],
-    }
-    man_blob = _json_blob(blobs, manifest, "application/vnd.oci.image.manifest.v1+json")
-    _write_index(layout, man_blob.digest, man_blob.size, ref)
-
-
-def _write_index(layout: Path, digest: str, size: int, ref: str) -> None:
-    index = {
-        "schemaVersion": 2, "mediaType": "application/vnd.oci.image.index.v1+json",
-        "manifests": [{
-            "mediaType": "application/vnd.oci.image.manifest.v1+json", "digest": digest, "size": size,
-            "platform": {"architecture": "amd64", "os": "linux"},
-            # containerd's importer takes io.containerd.image.name as is; ref.name is the OCI tag.
-            "annotations": {"io.containerd.image.name": ref, "org.opencontainers.image.ref.name": ref.rsplit(":", 1)[1]},
-        }],
-    }
-    (layout / "index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
-    (layout / "oci-layout").write_text(json.dumps({"imageLayoutVersion": "1.0.0"}) + "\n")
-
-
-def _tar_layout(layout: Path, out: Path) -> None:
-    """The layout directory as an (uncompressed) tar; blobs are moved, not copied, when possible."""
-    tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
-    with tarfile.open(tmp, "w", format=tarfile.PAX_FORMAT) as tf:
-        for path in sorted(layout.rglob("*")):
-            info = tf.gettarinfo(str(path), arcname=str(path.relative_to(layout)))
-            info.uid = info.gid = 0
-            info.uname = info.gname = ""
-            info.mtime = EPOCH
-            if path.is_file():
-                with open(path, "rb") as f:
-                    tf.addfile(info, f)
-                path.unlink()  # the layer's bytes now live in the archive only
-            else:
-                tf.addfile(info)
-    tmp.rename(out)
-
-
-def verify_oci_archive(path: Path, *, check_diff_ids: bool = True) -> dict[str, Any]:
-    """Check an OCI image archive the way an importer would; return {ref, manifest, config}.
-
-    ``oci-layout`` and ``index.json`` present; every descriptor's blob exists with that size and sha256;
-    the config's ``diff_ids`` are the sha256 of the uncompressed layers (``check_diff_ids``: reads them all).
-    Raises :class:`ImageError` naming the first mismatch.
-    """
-    with tarfile.open(path) as tf:
-        names = {m.name.lstrip("./"): m for m in tf.getmembers()}
-
-        def read(name: str) -> bytes:
-            m = names.get(name)
-            f = tf.extractfile(m) if m else None
-            if f is None:
-                raise ImageError(f"{path}: no {name}")
-            return f.read()
-
-        def blob(desc: dict[str, Any]) -> IO[bytes]:
-            algo, hexd = desc["digest"].split(":")
-            name = f"blobs/{algo}/{hexd}"
-            m = names.get(name)
-            f = tf.extractfile(m) if m is not None else None
-            if m is None or f is None:
-                raise ImageError(f"{path}: blob {desc['digest']} missing")
-            h, n = hashlib.sha256(), 0
-            data = io.BytesIO() if desc["size"] < (64 << 20) else None
-            while chunk := f.read(1 << 20):
-                h.update(chunk)
-                n += len(chunk)
-                if data is not None:
-                    data.write(chunk)
-            if n != desc["size"] or "sha256:" + h.hexdigest() != desc["digest"]:
-                raise ImageError(f"{path}: blob {desc['digest']} has size {n}, sha256:{h.hexdigest()}")
-            if data is None:  # large: hand out a fresh reader instead of a copy in memory
-                again = tf.extractfile(m)
-                assert again is not None
-                return again
-            data.seek(0)
-            return data
-
-        if json.loads(read("oci-layout")).get("imageLayoutVersion") != "1.0.0":
-            raise ImageError(f"{path}: oci-layout is not version 1.0.0")
-        index = json.loads(read("index.json"))
-        if len(index.get("manifests", [])) != 1:
-            raise ImageError(f"{path}: index.json should list one manifest")
-        desc = index["manifests"][0]
-        ref = desc.get("annotations", {}).get("io.containerd.image.name", "")
-        manifest = json.loads(blob(desc).read())
-        config = json.loads(blob(manifest["config"]).read())
-        diff_ids = config["rootfs"]["diff_ids"]
-        if len(diff_ids) != len(manifest["layers"]):
-            raise ImageError(f"{path}: {len(manifest['layers'])} layers but {len(diff_ids)} diff_ids")
-        for layer, diff_id in zip(manifest["layers"], diff_ids, strict=True):
-            f = blob(layer)
-            if not check_diff_ids:
-                continue
-            if layer["mediaType"].endswith("+zstd"):
-                raw = subprocess.run(["zstd", "-dc"], input=f.read(), capture_output=True, check=True).stdout
-            elif layer["mediaType"].endswith("+gzip") or layer["mediaType"].endswith(".gzip"):
-                raw = gzip.decompress(f.read())
-            else:
-                raw = f.read()
-            if "sha256:" + hashlib.sha256(raw).hexdigest() != diff_id:
-                raise ImageError(f"{path}: layer {layer['digest']} does not decompress to {diff_id}")
-    return {"ref": ref, "manifest": manifest, "config": config}
 
 
 # --------------------------------------------------------------------------------------------- images
@@ -534,8 +381,9 @@ def base_image(log: Log = print) -> ImageArchive:
         layout = Path(t)
         (layout / "blobs" / "sha256").mkdir(parents=True)
         layer = _layer(layout / "blobs" / "sha256", root, ["."], exclude=BASE_EXCLUDE)
-        _write_layout(layout, [layer], {"Env": [f"PATH={_stack_env()['PATH']}"], "Cmd": ["/bin/bash"]}, ref)
-        _tar_layout(layout, out)
+        write_layout(layout, [layer], {"Env": [f"PATH={_stack_env()['PATH']}"], "Cmd": ["/bin/bash"]}, ref,
+                     created=EPOCH, created_by=CREATED_BY)
+        tar_layout(layout, out, mtime=EPOCH)
     return ImageArchive(ref, out, key)
 
 
@@ -584,8 +432,8 @@ def ray_image(stack: str = "dlc", log: Log = print) -> ImageArchive:
             "ExposedPorts": {"6379/tcp": {}, "8265/tcp": {}, "10001/tcp": {}},
             "Labels": {"dev.finetune.stack": stack, "dev.finetune.python-packages-sha256": _key(_freeze(venv))},
         }
-        _write_layout(layout, layers, config, ref)
-        _tar_layout(layout, out)
+        write_layout(layout, layers, config, ref, created=EPOCH, created_by=CREATED_BY)
+        tar_layout(layout, out, mtime=EPOCH)
         log(f"[images] ray image ({stack}): done in {time.monotonic() - start:.0f}s, {_gib(out.stat().st_size)} "
             f"-> {out}")
     return ImageArchive(ref, out, key)
@@ -650,9 +498,9 @@ def operator_image(log: Log = print) -> ImageArchive:
                     logfile, "buildah push", env=env)
         index = json.loads((layout / "index.json").read_text())
         desc = index["manifests"][0]
-        _write_index(layout, desc["digest"], desc["size"], ref)
+        write_index(layout, desc["digest"], desc["size"], ref)
         shutil.rmtree(store, ignore_errors=True)  # vfs keeps a full copy per layer: drop it now
-        _tar_layout(layout, out)
+        tar_layout(layout, out, mtime=EPOCH)
         log(f"[images] operator image: done in {time.monotonic() - start:.0f}s, {_gib(out.stat().st_size)} -> {out}")
     return ImageArchive(ref, out, key)
 

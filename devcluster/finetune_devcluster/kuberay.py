@@ -1,7 +1,6 @@
 """KubeRay's CRDs, taken from the Go module of the exact version the dev cluster runs.
 
-The version is pinned once, in devcluster/versions.py (v1.6.1: v1.7.0's module zip is not downloadable
-from the Go module proxy reachable here). The RayJob fields we render exist unchanged in both.
+The version is pinned once, ``versions.KUBERAY_VERSION`` (why that one: its comment there).
 """
 
 from __future__ import annotations

@@ -1,15 +1,17 @@
-"""A small deterministic packer of OCI image archives, and the two tiny images the real node needs.
+"""The one writer of OCI image archives, and the directory every image of the dev cluster is cached in.
 
 An archive is an OCI image layout (``oci-layout``, ``index.json``, ``blobs/sha256/...``) in one tar,
-which ``ctr -n k8s.io images import`` accepts. Every tar header is fixed (mtime 0, uid/gid 0, sorted
-names), so the same inputs give byte-identical archives and the same image digest.
+which ``ctr -n k8s.io images import`` accepts (each index entry carries ``io.containerd.image.name`` =
+:attr:`ImageArchive.ref`). Every tar header is fixed (uid/gid 0, a fixed mtime, sorted names), so the
+same inputs give byte-identical archives and the same image digest. Two ways in:
 
-- :func:`pause_image`: the pod sandbox ("pause") image, ``build/pause/linux/pause.c`` from the
-  ``k8s.io/kubernetes`` module compiled with ``gcc -static``.
-- :func:`busybox_image`: Debian's ``busybox-static`` binary plus its applet links: the smoke tests'
-  image (``sh``, ``wget``, ``nslookup``, ...).
+- small images, in memory: :func:`layer_tar` + :func:`write_archive` (gzip layers; the real node's
+  pause and busybox images, :mod:`.tiny_images`);
+- large images, on disk: a layout directory whose layer blobs the caller streams in (``images._layer``:
+  GNU tar + zstd), then :func:`json_blob`, :func:`write_layout` / :func:`write_index` and
+  :func:`tar_layout` (the Ray, base and operator images, :mod:`.images`).
 
-Both are cached in ``$FINETUNE_CACHE_DIR/images`` by a key of their inputs. Nothing is ever pulled.
+:func:`verify_oci_archive` checks an archive the way an importer would.
 """
 
 from __future__ import annotations
@@ -19,35 +21,38 @@ import hashlib
 import io
 import json
 import os
-import shutil
 import subprocess
 import tarfile
-from collections.abc import Callable, Iterable
+import time
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from . import build
-from .versions import KUBERNETES_VERSION
 
-PACKER_VERSION = "1"  # part of every cache key: bump when the archive layout changes
-PAUSE_REF = "localhost/finetune/pause:3.10"
-BUSYBOX_REF = "localhost/finetune/busybox:1"
 MEDIA_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
 MEDIA_INDEX = "application/vnd.oci.image.index.v1+json"
 MEDIA_CONFIG = "application/vnd.oci.image.config.v1+json"
 MEDIA_LAYER_GZIP = "application/vnd.oci.image.layer.v1.tar+gzip"
 
-Log = Callable[[str], None]
-
-
 @dataclass(frozen=True)
-class LocalImage:
-    """An OCI archive on disk and the reference pods use for it (the shape of images.ImageArchive)."""
+class ImageArchive:
+    """An OCI image archive on disk: import with ``ctr -n k8s.io images import <path>``, use ``ref`` in pods;
+    ``key``: the cache key of its inputs."""
 
     ref: str
     path: Path
     key: str
+
+
+class OciError(RuntimeError):
+    """An archive is not what an importer accepts; the message names the first mismatch."""
+
+
+def images_dir() -> Path:
+    """Where every built image (and the base/venv trees of :mod:`.images`) is cached."""
+    return build.cache_dir() / "images"
 
 
 @dataclass(frozen=True)
@@ -111,6 +116,15 @@ def layer_tar(entries: Iterable[Entry]) -> bytes:
 
 def _sha(data: bytes) -> str:
     return "sha256:" + hashlib.sha256(data).hexdigest()
+
+
+def file_digest(path: Path) -> str:
+    """``sha256:<hex>`` of a file, read in chunks (layers are GiBs)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return "sha256:" + h.hexdigest()
 
 
 def _json(obj: Any) -> bytes:
@@ -177,89 +191,142 @@ def write_archive(out: Path, ref: str, layers: list[bytes], config: ImageConfig)
     return _sha(manifest)
 
 
-def images_dir() -> Path:
-    return build.cache_dir() / "images"
+# ------------------------------------------------------------------------------------- layout on disk
 
 
-def _cached(name: str, ref: str, key: str, make: Callable[[Path], None], log: Log) -> LocalImage:
-    path = images_dir() / f"{name}-{key[:16]}.oci.tar"
-    if not path.is_file():
-        log(f"[image] building {ref} -> {path}")
-        make(path)
-    return LocalImage(ref=ref, path=path, key=key)
+@dataclass(frozen=True)
+class Blob:
+    """A blob written into a layout's ``blobs/sha256`` (a layer also has its ``diff_id``)."""
+
+    digest: str
+    size: int
+    media_type: str
+    diff_id: str = ""
 
 
-def _kubernetes_source() -> Path:
-    """The k8s.io/kubernetes module directory (downloaded by the Go toolchain, as for the build)."""
-    go = build.find_go()
-    env = {**os.environ, "GOFLAGS": "-mod=mod", "GOWORK": "off"}
-    out = subprocess.run(
-        [go, "mod", "download", "-json", f"k8s.io/kubernetes@{KUBERNETES_VERSION}"],
-        check=True,
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=build.TOOLS_DIR / "kubernetes-node",
-    ).stdout
-    return Path(json.loads(out)["Dir"])
+def json_blob(blobs: Path, doc: dict[str, Any], media_type: str) -> Blob:
+    data = json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
+    digest = "sha256:" + hashlib.sha256(data).hexdigest()
+    (blobs / digest.split(":")[1]).write_bytes(data)
+    return Blob(digest, len(data), media_type)
 
 
-def pause_image(log: Log = print) -> LocalImage:
-    """The sandbox image: kubernetes' ``pause.c`` built with ``gcc -static``."""
-    src = _kubernetes_source() / "build" / "pause" / "linux" / "pause.c"
-    gcc = shutil.which("gcc") or shutil.which("cc")
-    if gcc is None:
-        raise build.BuildError("pause image: no C compiler (gcc) found")
-    gcc_version = subprocess.run([gcc, "--version"], capture_output=True, text=True).stdout.splitlines()[0]
-    key = hashlib.sha256(
-        "\0".join([PACKER_VERSION, src.read_text(), gcc_version, KUBERNETES_VERSION]).encode()
-    ).hexdigest()
-
-    def make(path: Path) -> None:
-        binary = images_dir() / f".pause.{os.getpid()}"
-        binary.parent.mkdir(parents=True, exist_ok=True)
-        cmd = [gcc, "-Os", "-Wall", "-Werror", "-static", f'-DVERSION="{KUBERNETES_VERSION}-finetune"']
-        r = subprocess.run([*cmd, "-o", str(binary), str(src)], capture_output=True, text=True)
-        if r.returncode != 0:
-            raise build.BuildError(f"pause image: gcc failed:\n{r.stderr}")
-        data = binary.read_bytes()
-        binary.unlink()
-        layer = layer_tar([Entry("pause", data, 0o755)])
-        write_archive(path, PAUSE_REF, [layer], ImageConfig(entrypoint=["/pause"], user="65535:65535"))
-
-    return _cached("pause", PAUSE_REF, key, make, log)
+def write_layout(layout: Path, layers: Sequence[Blob], config: dict[str, Any], ref: str, *, created: int,
+                 created_by: str) -> None:
+    """Config, manifest and index of an image whose layer blobs are in ``layout`` already. ``created``: the
+    config's time (seconds since the epoch); each layer's history entry says ``{created_by} layer {i}``."""
+    blobs = layout / "blobs" / "sha256"
+    cfg = {
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(created)),
+        "architecture": "amd64", "os": "linux", "config": config,
+        "rootfs": {"type": "layers", "diff_ids": [b.diff_id for b in layers]},
+        "history": [{"created_by": f"{created_by} layer {i}"} for i in range(len(layers))],
+    }
+    cfg_blob = json_blob(blobs, cfg, "application/vnd.oci.image.config.v1+json")
+    manifest = {
+        "schemaVersion": 2, "mediaType": "application/vnd.oci.image.manifest.v1+json",
+        "config": {"mediaType": cfg_blob.media_type, "digest": cfg_blob.digest, "size": cfg_blob.size},
+        "layers": [{"mediaType": b.media_type, "digest": b.digest, "size": b.size} for b in layers],
+    }
+    man_blob = json_blob(blobs, manifest, "application/vnd.oci.image.manifest.v1+json")
+    write_index(layout, man_blob.digest, man_blob.size, ref)
 
 
-def _ensure_busybox(log: Log) -> Path:
-    path = Path("/bin/busybox")
-    if path.is_file():
-        return path
-    log("[image] installing busybox-static (apt-get)")
-    ok, out = build.apt_install(["busybox-static"])
-    if not ok or not path.is_file():
-        raise build.BuildError(f"busybox image: needs /bin/busybox (Debian's busybox-static); apt-get install "
-                               f"busybox-static failed:\n{out}")
-    return path
+def write_index(layout: Path, digest: str, size: int, ref: str) -> None:
+    index = {
+        "schemaVersion": 2, "mediaType": "application/vnd.oci.image.index.v1+json",
+        "manifests": [{
+            "mediaType": "application/vnd.oci.image.manifest.v1+json", "digest": digest, "size": size,
+            "platform": {"architecture": "amd64", "os": "linux"},
+            # containerd's importer takes io.containerd.image.name as is; ref.name is the OCI tag.
+            "annotations": {"io.containerd.image.name": ref, "org.opencontainers.image.ref.name": ref.rsplit(":", 1)[1]},
+        }],
+    }
+    (layout / "index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    (layout / "oci-layout").write_text(json.dumps({"imageLayoutVersion": "1.0.0"}) + "\n")
 
 
-def busybox_image(log: Log = print) -> LocalImage:
-    """A tiny image with a shell and network tools: Debian's static busybox and its applet links."""
-    binary = _ensure_busybox(log)
-    data = binary.read_bytes()
-    if b"/ld-linux" in data[:8192]:  # an ELF interpreter: not the static build
-        raise build.BuildError(f"busybox image: {binary} is dynamically linked; install Debian's busybox-static")
-    key = hashlib.sha256(PACKER_VERSION.encode() + b"\0" + data).hexdigest()
+def tar_layout(layout: Path, out: Path, *, mtime: int) -> None:
+    """The layout directory as an (uncompressed) tar, every entry at ``mtime``; each file is deleted once in
+    the archive (a layer's bytes are never on disk twice)."""
+    tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
+    with tarfile.open(tmp, "w", format=tarfile.PAX_FORMAT) as tf:
+        for path in sorted(layout.rglob("*")):
+            info = tf.gettarinfo(str(path), arcname=str(path.relative_to(layout)))
+            info.uid = info.gid = 0
+            info.uname = info.gname = ""
+            info.mtime = mtime
+            if path.is_file():
+                with open(path, "rb") as f:
+                    tf.addfile(info, f)
+                path.unlink()  # the layer's bytes now live in the archive only
+            else:
+                tf.addfile(info)
+    tmp.rename(out)
 
-    def make(path: Path) -> None:
-        applets = subprocess.run([str(binary), "--list-full"], check=True, capture_output=True, text=True).stdout
-        entries = [Entry("bin/busybox", data, 0o755), Entry("tmp", mode=0o1777)]
-        for applet in applets.split():
-            if applet != "bin/busybox":
-                entries.append(Entry(applet, link="/bin/busybox"))
-        entries += [
-            Entry("etc/passwd", b"root:x:0:0:root:/root:/bin/sh\nnobody:x:65534:65534:nobody:/:/bin/false\n"),
-            Entry("etc/group", b"root:x:0:\nnogroup:x:65534:\n"),
-        ]
-        write_archive(path, BUSYBOX_REF, [layer_tar(entries)], ImageConfig(cmd=["sh"]))
 
-    return _cached("busybox", BUSYBOX_REF, key, make, log)
+def verify_oci_archive(path: Path, *, check_diff_ids: bool = True) -> dict[str, Any]:
+    """Check an OCI image archive the way an importer would; return {ref, manifest, config}.
+
+    ``oci-layout`` and ``index.json`` present; every descriptor's blob exists with that size and sha256;
+    the config's ``diff_ids`` are the sha256 of the uncompressed layers (``check_diff_ids``: reads them all).
+    Raises :class:`OciError` naming the first mismatch.
+    """
+    with tarfile.open(path) as tf:
+        names = {m.name.lstrip("./"): m for m in tf.getmembers()}
+
+        def read(name: str) -> bytes:
+            m = names.get(name)
+            f = tf.extractfile(m) if m else None
+            if f is None:
+                raise OciError(f"{path}: no {name}")
+            return f.read()
+
+        def blob(desc: dict[str, Any]) -> IO[bytes]:
+            algo, hexd = desc["digest"].split(":")
+            name = f"blobs/{algo}/{hexd}"
+            m = names.get(name)
+            f = tf.extractfile(m) if m is not None else None
+            if m is None or f is None:
+                raise OciError(f"{path}: blob {desc['digest']} missing")
+            h, n = hashlib.sha256(), 0
+            data = io.BytesIO() if desc["size"] < (64 << 20) else None
+            while chunk := f.read(1 << 20):
+                h.update(chunk)
+                n += len(chunk)
+                if data is not None:
+                    data.write(chunk)
+            if n != desc["size"] or "sha256:" + h.hexdigest() != desc["digest"]:
+                raise OciError(f"{path}: blob {desc['digest']} has size {n}, sha256:{h.hexdigest()}")
+            if data is None:  # large: hand out a fresh reader instead of a copy in memory
+                again = tf.extractfile(m)
+                assert again is not None
+                return again
+            data.seek(0)
+            return data
+
+        if json.loads(read("oci-layout")).get("imageLayoutVersion") != "1.0.0":
+            raise OciError(f"{path}: oci-layout is not version 1.0.0")
+        index = json.loads(read("index.json"))
+        if len(index.get("manifests", [])) != 1:
+            raise OciError(f"{path}: index.json should list one manifest")
+        desc = index["manifests"][0]
+        ref = desc.get("annotations", {}).get("io.containerd.image.name", "")
+        manifest = json.loads(blob(desc).read())
+        config = json.loads(blob(manifest["config"]).read())
+        diff_ids = config["rootfs"]["diff_ids"]
+        if len(diff_ids) != len(manifest["layers"]):
+            raise OciError(f"{path}: {len(manifest['layers'])} layers but {len(diff_ids)} diff_ids")
+        for layer, diff_id in zip(manifest["layers"], diff_ids, strict=True):
+            f = blob(layer)
+            if not check_diff_ids:
+                continue
+            if layer["mediaType"].endswith("+zstd"):
+                raw = subprocess.run(["zstd", "-dc"], input=f.read(), capture_output=True, check=True).stdout
+            elif layer["mediaType"].endswith("+gzip") or layer["mediaType"].endswith(".gzip"):
+                raw = gzip.decompress(f.read())
+            else:
+                raw = f.read()
+            if "sha256:" + hashlib.sha256(raw).hexdigest() != diff_id:
+                raise OciError(f"{path}: layer {layer['digest']} does not decompress to {diff_id}")
+    return {"ref": ref, "manifest": manifest, "config": config}

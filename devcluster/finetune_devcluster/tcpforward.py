@@ -4,7 +4,7 @@ The dev cluster's kube-apiserver serves on 127.0.0.1 only (kwok-only clusters ne
 apiserver takes one bind address). With a real node, pods must reach it as they do in any cluster: through
 the ``kubernetes`` Service (in-cluster config). This process listens on the node's bridge address and
 passes the bytes through to the apiserver, TLS untouched (clients still verify its certificate, which
-names the Service's address); the Service's EndpointSlice points at it (devcluster/cluster.py).
+names the Service's address); the Service's EndpointSlice points at it (addons.kubernetes_endpoints, started by realnode_wiring.py).
 
 Standard library only, run by path: it does not import the package.
 """

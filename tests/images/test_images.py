@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
-from finetune_devcluster import images
+from finetune_devcluster import images, oci
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(os.geteuid() != 0, reason="building images needs root")]
 
@@ -49,10 +49,11 @@ def test_verify_rejects_a_tampered_blob(tmp_path: Path) -> None:
     blobs = layout / "blobs" / "sha256"
     blobs.mkdir(parents=True)
     layer = images._layer(blobs, tree, ["."])
-    images._write_layout(layout, [layer], {"Cmd": ["/bin/sh"]}, "localhost/tiny:t1")
+    oci.write_layout(layout, [layer], {"Cmd": ["/bin/sh"]}, "localhost/tiny:t1", created=images.EPOCH,
+                     created_by=images.CREATED_BY)
     good = tmp_path / "good.tar"
-    images._tar_layout(layout, good)
-    info = images.verify_oci_archive(good)
+    oci.tar_layout(layout, good, mtime=images.EPOCH)
+    info = oci.verify_oci_archive(good)
     assert info["ref"] == "localhost/tiny:t1"
     assert info["config"]["rootfs"]["diff_ids"] == [layer.diff_id]
     # Same tree, same digest: the layers are reproducible.
@@ -67,13 +68,13 @@ def test_verify_rejects_a_tampered_blob(tmp_path: Path) -> None:
             if data is not None and m.name == f"blobs/sha256/{layer.digest.split(':')[1]}":
                 data = data[:-1] + bytes([data[-1] ^ 1])
             dst.addfile(m, None if data is None else io.BytesIO(data))
-    with pytest.raises(images.ImageError, match=f"blob {layer.digest} has size"):
-        images.verify_oci_archive(bad)
+    with pytest.raises(oci.OciError, match=f"blob {layer.digest} has size"):
+        oci.verify_oci_archive(bad)
 
 
 def test_base_image_has_python_313_bash_wget_and_the_dlc_nccl_conf() -> None:
     img = images.base_image()
-    info = images.verify_oci_archive(img.path)
+    info = oci.verify_oci_archive(img.path)
     assert info["ref"] == img.ref == f"localhost/finetune-base:{img.key}"
     names = layer_names(img.path, info["manifest"]["layers"][0])
     for f in ("usr/bin/python3.13", "usr/bin/bash", "usr/bin/wget", "usr/bin/ps", "etc/nccl.conf",
@@ -85,14 +86,14 @@ def test_base_image_has_python_313_bash_wget_and_the_dlc_nccl_conf() -> None:
 def test_ray_image_is_base_plus_the_dlc_venv_with_the_dlc_env() -> None:
     img = images.ray_image("dlc")
     assert img.ref == f"localhost/finetune-ray:dlc-{img.key}"
-    info = images.verify_oci_archive(img.path, check_diff_ids=False)  # digests checked; 2 GiB not re-hashed
+    info = oci.verify_oci_archive(img.path, check_diff_ids=False)  # digests checked; 2 GiB not re-hashed
     config = info["config"]["config"]
     env = dict(e.split("=", 1) for e in config["Env"])
     assert env["FI_PROVIDER"] == "efa" and env["NCCL_DEBUG"] == "INFO"
     assert env["PATH"].startswith("/opt/venv/bin:")
     assert config["Labels"]["dev.finetune.stack"] == "dlc"
     _, venv_layer = info["manifest"]["layers"]
-    base = images.verify_oci_archive(images.base_image().path)
+    base = oci.verify_oci_archive(images.base_image().path)
     assert info["config"]["rootfs"]["diff_ids"][0] == base["config"]["rootfs"]["diff_ids"][0]  # the same base tree
     names = layer_names(img.path, venv_layer)
     for f in ("opt/venv/bin/ray", "opt/venv/bin/python3", "opt/venv/lib/python3.13/site-packages/torch",
@@ -117,14 +118,14 @@ def test_the_ray_stack_runs_ray_cli_under_bash_lc_like_kuberay() -> None:
 
 def test_operator_image_is_built_by_buildah_from_the_local_base() -> None:
     img = images.operator_image()
-    info = images.verify_oci_archive(img.path)
+    info = oci.verify_oci_archive(img.path)
     config = info["config"]["config"]
     assert info["ref"] == img.ref == f"localhost/finetune-operator:{img.key}"
     assert config["Entrypoint"] == ["finetune"] and config["Cmd"] == ["operator"]
     assert config["User"] == "10001"
     assert any(e.startswith("PATH=/opt/operator/bin:") for e in config["Env"])
     # Its first layer is the local base's (same uncompressed content, whatever buildah's compression).
-    base = images.verify_oci_archive(images.base_image().path)
+    base = oci.verify_oci_archive(images.base_image().path)
     assert info["config"]["rootfs"]["diff_ids"][0] == base["config"]["rootfs"]["diff_ids"][0]
     assert images.operator_image() == img
 

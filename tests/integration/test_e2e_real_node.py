@@ -32,8 +32,7 @@ from typing import Any
 
 import pytest
 import yaml
-from finetune_devcluster import DevCluster, DevClusterError, demo
-from finetune_devcluster import node as realnode
+from finetune_devcluster import DevCluster, DevClusterError, demo, realnode
 from finetune_operator.render.rayjob import JOB_LABEL
 from kubernetes import client, config
 from kubernetes.client.rest import ApiException

@@ -12,7 +12,6 @@ Everything else -- KubeRay deleting the RayJob, the garbage collector, finalizer
 
 from __future__ import annotations
 
-import os
 import signal
 import time
 import urllib.request
@@ -82,31 +81,11 @@ def namespace(namespace: str, kube: Kube) -> Iterator[str]:
 
 def restart_component(cluster: Any, name: str, env: dict[str, str] | None = None) -> None:
     """Stop one dev-cluster component and start it again with the same command line (plus `env`)."""
-    proc = cluster._state()["processes"][name]
-    cluster._signal(proc, signal.SIGTERM)
-    deadline = time.monotonic() + 15
-    while cluster._alive(proc) and time.monotonic() < deadline:
-        cluster._reap(name)
-        time.sleep(0.05)
-    if cluster._alive(proc):
-        cluster._signal(proc, signal.SIGKILL)
-        while cluster._alive(proc):
-            cluster._reap(name)
-            time.sleep(0.05)
-    cluster._reap(name, block=True)
-    first = (cluster.logs_dir / f"{name}.log").read_text().splitlines()[0]
-    assert first.startswith("$ "), first
-    saved = dict(os.environ)
-    try:
-        os.environ.update(env or {})  # _spawn passes this process's environment on
-        cluster._spawn(name, first[2:].split())
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
+    cluster.restart(name, env=env)
 
 
 def kuberay_ready(cluster: Any) -> bool:
-    port = cluster._state()["ports"]["ray-probe"]
+    port = cluster.port("ray-probe")
     try:
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=2) as r:
             return bool(r.read().decode() == "ok")

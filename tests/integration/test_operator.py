@@ -481,7 +481,7 @@ def test_training_runtime_reports_through_the_progress_channel(kube: Kube, names
 def _node_of_new_type(kube: Kube, name: str, itype: str, gpus: int) -> None:
     """A node of an instance type no ConfigMap describes (kwok keeps it Ready); its figures are the
     only source the operator has for that type."""
-    from finetune_devcluster.nodes import node_manifest
+    from finetune_devcluster.kwok_nodes import node_manifest
 
     node = node_manifest(name, "g6.12xlarge", "new-types", index=90)
     for key in ("node.kubernetes.io/instance-type", "beta.kubernetes.io/instance-type"):

@@ -17,8 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from finetune_devcluster import DevCluster, build, oci
-from finetune_devcluster import node as realnode
+from finetune_devcluster import DevCluster, build, realnode, tiny_images
 from kubernetes import client, config
 
 from .conftest import create_namespace, wait_for
@@ -95,7 +94,7 @@ def ns(real: RealCluster) -> Iterator[str]:
 
 
 def _pod(name: str, command: str, **spec: Any) -> dict[str, Any]:
-    container: dict[str, Any] = {"name": "main", "image": oci.BUSYBOX_REF, "command": ["sh", "-c", command]}
+    container: dict[str, Any] = {"name": "main", "image": tiny_images.BUSYBOX_REF, "command": ["sh", "-c", command]}
     container.update(spec.pop("container", {}))
     return {
         "apiVersion": "v1",

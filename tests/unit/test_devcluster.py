@@ -9,7 +9,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from finetune_devcluster import build, gen_tools, nodes, pki
+from finetune_devcluster import build, gen_tools, kwok_nodes, pki
 from finetune_devcluster.versions import ALL_COMPONENTS, KUBERNETES_VERSION
 
 TOOLS = Path(gen_tools.__file__).parent / "tools"
@@ -65,7 +65,7 @@ def test_kubernetes_wrapper_replaces_staging_with_published_versions() -> None:
 def test_node_shape(
     instance_type: str, cpu: str, memory: str, gpus: str | None, efa: str | None, hugepages: str, taints: int
 ) -> None:
-    node = nodes.node_manifest("n", instance_type, "group", 0)
+    node = kwok_nodes.node_manifest("n", instance_type, "group", 0)
     alloc = node["status"]["allocatable"]
     assert (alloc["cpu"], alloc["memory"], alloc["hugepages-2Mi"], alloc["pods"]) == (cpu, memory, hugepages, "110")
     assert alloc.get("nvidia.com/gpu") == gpus
@@ -73,13 +73,13 @@ def test_node_shape(
     assert len(node["spec"]["taints"]) == taints
     labels = node["metadata"]["labels"]
     assert labels["node.kubernetes.io/instance-type"] == instance_type
-    assert labels["topology.kubernetes.io/zone"] == nodes.ZONE
-    assert node["metadata"]["annotations"][nodes.KWOK_ANNOTATION] == "fake"
+    assert labels["topology.kubernetes.io/zone"] == kwok_nodes.ZONE
+    assert node["metadata"]["annotations"][kwok_nodes.KWOK_ANNOTATION] == "fake"
 
 
 def test_unknown_instance_type_is_a_clear_error() -> None:
     with pytest.raises(ValueError, match="unknown instance type 'x1.huge'"):
-        nodes.node_manifest("n", "x1.huge", "group", 0)
+        kwok_nodes.node_manifest("n", "x1.huge", "group", 0)
 
 
 @pytest.mark.parametrize("backend", ["cryptography", "openssl"])
@@ -125,6 +125,7 @@ def test_tcp_forwarder_passes_bytes_both_ways_and_the_half_close(tmp_path: Path)
     import threading
 
     from finetune_devcluster import tcpforward
+    from finetune_devcluster.ports import free_port
 
     server = socket.create_server(("127.0.0.1", 0))
     target = server.getsockname()[1]
@@ -138,9 +139,7 @@ def test_tcp_forwarder_passes_bytes_both_ways_and_the_half_close(tmp_path: Path)
             conn.sendall(data.upper())
 
     threading.Thread(target=echo_upper, daemon=True).start()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        listen = s.getsockname()[1]
+    listen = free_port()
     proc = subprocess.Popen([sys.executable, tcpforward.__file__, f"127.0.0.1:{listen}", f"127.0.0.1:{target}"],
                             stdout=subprocess.PIPE, text=True)
     try:

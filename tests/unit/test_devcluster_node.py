@@ -11,8 +11,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from finetune_devcluster import build, gen_tools, oci
-from finetune_devcluster import node as realnode
+from finetune_devcluster import build, gen_tools, oci, realnode, tiny_images
 from finetune_devcluster.versions import COMPONENTS, KUBELET_API_VERSION, NODE_COMPONENTS
 
 TOOLS = Path(gen_tools.__file__).parent / "tools"
@@ -118,7 +117,7 @@ def test_node_configs_keep_to_the_machine_rules(tmp_path: Path) -> None:
     bins = {n: Path(f"/b/{n}") for n in ("runc", "bridge")}
     toml = rn.write_containerd_config(bins).read_text()
     assert "restrict_oom_score_adj = true" in toml and "SystemdCgroup = false" in toml
-    assert '"io.containerd.nri.v1.nri"' in toml and oci.PAUSE_REF in toml
+    assert '"io.containerd.nri.v1.nri"' in toml and tiny_images.PAUSE_REF in toml
     corefile = rn.write_corefile(tmp_path / "kc", ports).read_text()
     assert f"bind {realnode.GATEWAY}" in corefile and "forward" not in corefile  # no upstream resolvers
 

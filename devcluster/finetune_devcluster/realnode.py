@@ -14,7 +14,7 @@ How it fits this machine (see docs/dev-cluster.md, "The real node"):
   (iptables mode) makes ClusterIPs work; CoreDNS runs as a host process bound to the gateway address
   behind the ``kube-dns`` Service (``10.96.0.10``) and answers only ``cluster.local`` (no forwarding).
   The ``kubernetes`` Service's endpoint is a forwarder on the gateway address to the apiserver on
-  127.0.0.1 (``DevCluster._serve_apiserver_to_pods``): pods use in-cluster config as anywhere.
+  127.0.0.1 (``realnode_wiring.serve_apiserver_to_pods``): pods use in-cluster config as anywhere.
 - :meth:`RealNode.teardown` undoes everything: container processes, shims, mounts under the node's
   directories, the bridge and veths, kube-proxy's rules, the cgroups in every hierarchy, the sysctls
   kubelet changes, and files written outside the work directory.
@@ -38,7 +38,8 @@ from typing import Any, Protocol
 
 import yaml
 
-from . import build, oci, pki
+from . import build, pki, tiny_images
+from .oci import ImageArchive
 
 NODE_NAME = "real-node-0"
 BRIDGE = "ftn0"
@@ -90,7 +91,7 @@ Spawn = Callable[[str, list[str], dict[str, str] | None], None]
 
 
 class ImageLike(Protocol):
-    """An OCI archive and its image reference (``oci.LocalImage``, ``images.ImageArchive``)."""
+    """An OCI archive and its image reference (``oci.ImageArchive``)."""
 
     @property
     def ref(self) -> str: ...
@@ -386,7 +387,7 @@ disabled_plugins = ["io.containerd.nri.v1.nri", "io.containerd.tracing.processor
   [plugins.'io.containerd.cri.v1.images']
     snapshotter = "overlayfs"
     [plugins.'io.containerd.cri.v1.images'.pinned_images]
-      sandbox = "{oci.PAUSE_REF}"
+      sandbox = "{tiny_images.PAUSE_REF}"
   [plugins.'io.containerd.cri.v1.runtime']
     enable_selinux = false
     restrict_oom_score_adj = true
@@ -680,9 +681,9 @@ def _cmdline(pid: int) -> str:
         return ""
 
 
-def node_images(log: Log = print) -> list[oci.LocalImage]:
+def node_images(log: Log = print) -> list[ImageArchive]:
     """The images every real node imports: the sandbox (pause) and the smoke tests' busybox."""
-    return [oci.pause_image(log=log), oci.busybox_image(log=log)]
+    return [tiny_images.pause_image(log=log), tiny_images.busybox_image(log=log)]
 
 
 def node_binaries(log: Log = print) -> dict[str, Path]:
