@@ -246,10 +246,18 @@ def test_a_killed_worker_and_a_suspend_both_resume_from_the_last_checkpoint(real
     # worker pod was up first, leaving a late one idle (a CI run killed such an idle pod, training never
     # noticed, and the test waited for a resume that could not come). Ray prefixes a training worker's
     # output on another node with that node's IP.
-    trainer_ips = set(re.findall(r"RayTrainWorker pid=\d+, ip=([0-9.]+)", job_log(real, ns)))
-    workers = [p for p in real.core.list_namespaced_pod(ns, label_selector="ray.io/node-type=worker").items
-               if p.status.pod_ip in trainer_ips]
-    assert workers, f"no worker pod hosts a training worker (their IPs: {trainer_ips}); {diagnose(real, ns)}"
+    # Ray Train's controller lists its group (`- (ip=..., pid=...) world_rank=...`) before the first step; a
+    # worker's own output carries the `ip=` prefix only once it has printed something, which may reach the
+    # driver's log after the first checkpoint was seen (a cold CI-like run read the log too early: no IPs).
+    def hosting() -> list[Any]:
+        log = job_log(real, ns)
+        ips = set(re.findall(r"RayTrainWorker pid=\d+, ip=([0-9.]+)", log))
+        ips |= set(re.findall(r"\(ip=([0-9.]+), pid=\d+\) world_rank=", log))
+        return [p for p in real.core.list_namespaced_pod(ns, label_selector="ray.io/node-type=worker").items
+                if p.status.pod_ip in ips]
+
+    workers = wait_for("a worker pod that hosts a training worker", hosting, timeout=60, interval=2)
+    assert isinstance(workers, list) and workers, diagnose(real, ns)
     victim = workers[0]
     cid = victim.status.container_statuses[0].container_id.split("://", 1)[1]
     real.cluster.node.ctr(realnode.node_binaries(), "tasks", "kill", "--signal", "SIGKILL", cid)
