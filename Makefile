@@ -17,7 +17,7 @@ demo-cluster: setup control-plane
 # Second command: set up (venv + Go-built control plane), lint/type-check, and run the whole test suite;
 # then tests/training once more on the Ray Train DLC's own stack (Python 3.13 + requirements/dlc.txt).
 test: setup prebuild lint
-	.venv/bin/python -m pytest -ra --durations=30
+	.venv/bin/python -m pytest -ra --durations=30 -n 3 --dist loadgroup
 	./scripts/test-training-dlc
 
 # Everything the suite builds, once, cached by version under ~/.cache/finetune-operator (a no-op when warm):

@@ -14,6 +14,40 @@ TOOL_FIXTURES = {
 }
 
 
+# `make test` runs the suite in three concurrent lanes (pytest-xdist, `-n 3 --dist loadgroup`): each lane is one
+# worker process with its own session fixtures, so the tests of a lane share that lane's dev cluster. Most of
+# the integration tests' time is waiting (for controllers, timers, pods): three lanes on two cores overlap the
+# waits. A lane: the real node's tests (one real-node cluster), or one kwok control plane's share of the
+# integration tests, plus CPU-bound work spread for balance. Measured per file in the README ("The suite's
+# time"); a file not listed falls into the lane of its kind.
+LANES: dict[str, str] = {
+    "tests/integration/test_e2e_real_node.py": "real-node",
+    "tests/integration/test_real_node.py": "real-node",
+    "tests/images/": "real-node",
+    "tests/deploy/": "real-node",
+    "tests/integration/test_lifecycle.py": "kwok-b",
+    "tests/integration/test_lifecycle_faults.py": "kwok-b",
+    "tests/integration/test_argocd.py": "kwok-b",
+    "tests/training/": "kwok-b",
+    "tests/integration/": "kwok-a",
+    "tests/unit/": "kwok-a",
+}
+
+
+def lane(nodeid: str) -> str:
+    """The lane of a test: the longest LANES prefix of its path (real-node tests elsewhere join the real node's)."""
+    path = nodeid.split("::", 1)[0]
+    match = max((p for p in LANES if path.startswith(p)), key=len, default="")
+    return LANES.get(match, "kwok-a")
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the marks (--dist loadgroup)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        name = "real-node" if item.get_closest_marker("real_node") else lane(item.nodeid)
+        item.add_marker(pytest.mark.xdist_group(name))
+
+
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption(
         "--update-golden",
