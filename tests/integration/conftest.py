@@ -259,3 +259,29 @@ def gpu_node(control_plane: DevCluster) -> Iterator[Callable[..., str]]:
     yield add
     for node in added:
         control_plane.delete_node(node)
+
+
+@dataclass
+class RealNodeCluster:
+    """The session's dev cluster with a real kubelet node, and the host as it was before ``up``."""
+
+    cluster: DevCluster
+    before: dict[str, object]
+
+
+@pytest.fixture(scope="session")
+def real_node_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealNodeCluster]:
+    """One dev cluster with a real node (``up --real-node``, ~1 min warm, and ``down`` up to 2.5 min) for every
+    real-node test of the session: the end-to-end tests (tests/integration/test_e2e_real_node.py) and the node's
+    own (test_real_node.py, whose last test takes it down and compares the host with ``before``). ``down`` is
+    idempotent: the fixture's own is then a no-op."""
+    from .host import host_snapshot
+
+    workdir = tmp_path_factory.mktemp("real-node")
+    before = host_snapshot(workdir)
+    cluster = DevCluster(workdir, nodes=1, die_with_parent=True, real_node=True)
+    try:
+        cluster.up(timeout=600)
+        yield RealNodeCluster(cluster, before)
+    finally:
+        cluster.down()

@@ -37,7 +37,7 @@ from finetune_operator.render.rayjob import JOB_LABEL
 from kubernetes import client, config
 from kubernetes.client.rest import ApiException
 
-from .conftest import create_namespace, wait_for
+from .conftest import RealNodeCluster, create_namespace, wait_for
 
 pytestmark = [pytest.mark.real_node, pytest.mark.slow]
 
@@ -60,14 +60,10 @@ def kubectl(kubeconfig: Path, *args: str, stdin: str | None = None) -> str:
 
 
 @pytest.fixture(scope="module")
-def real(tmp_path_factory: pytest.TempPathFactory, helm: Path) -> Iterator[E2E]:
+def real(real_node_cluster: RealNodeCluster, helm: Path) -> Iterator[E2E]:
     timings: dict[str, float] = {}
-    workdir = tmp_path_factory.mktemp("e2e-real-node")
-    cluster = DevCluster(workdir, nodes=1, die_with_parent=True, real_node=True)
+    cluster = real_node_cluster.cluster
     try:
-        t0 = time.monotonic()
-        cluster.up(timeout=600)
-        timings["dev-cluster up --real-node"] = time.monotonic() - t0
         timings.update(demo.import_images(cluster))
         t0 = time.monotonic()
         demo.install_operator(cluster, helm=helm)
@@ -75,7 +71,6 @@ def real(tmp_path_factory: pytest.TempPathFactory, helm: Path) -> Iterator[E2E]:
         api = config.new_client_from_config(config_file=str(cluster.kubeconfig))
         yield E2E(cluster, Path(cluster.kubeconfig), client.CoreV1Api(api), client.CustomObjectsApi(api), timings)
     finally:
-        cluster.down()
         print("e2e timings: " + ", ".join(f"{k} {v:.0f}s" for k, v in timings.items()))
 
 

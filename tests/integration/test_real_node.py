@@ -2,67 +2,27 @@
 apiserver, Services route (kube-proxy) and resolve (CoreDNS), the simulated GPU/EFA devices are
 allocatable, a local PersistentVolume is writable, and ``down`` leaves nothing behind on the host.
 
-One dev cluster with a real node for the module (start ~1 min warm); the last test takes it down and
-compares the host with what it was before ``up``.
+One dev cluster with a real node for the session's real-node tests (``real_node_cluster``, shared with the
+end-to-end tests, which run first; start ~1 min warm); the last test takes it down and compares the host with
+what it was before ``up``.
 """
 
 from __future__ import annotations
 
-import os
 import subprocess
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import pytest
 from finetune_devcluster import DevCluster, build, realnode, tiny_images
 from kubernetes import client, config
 
-from .conftest import create_namespace, wait_for
+from .conftest import RealNodeCluster, create_namespace, wait_for
+from .host import _node_processes, host_snapshot
 
 pytestmark = pytest.mark.real_node
-
-
-def host_snapshot(workdir: Path) -> dict[str, Any]:
-    """What a real node may leave behind on this machine, as comparable values."""
-    base = realnode.own_cgroup().lstrip("/")
-    cgroups = set()
-    for h in realnode.cgroup_hierarchies():
-        top = h / base
-        for dirpath, _, _ in os.walk(top):
-            cgroups.add(str(Path(dirpath).relative_to(h.parent)))
-    iptables = subprocess.run(["iptables-save"], capture_output=True, text=True).stdout
-    return {
-        "links": sorted(realnode.links()),
-        "mounts": realnode.mounts_under([workdir, Path("/run/containerd"), Path("/var/lib/kubelet")]),
-        "cgroups": sorted(cgroups),
-        "sysctls": realnode.sysctl_snapshot(),
-        "outside": {p: os.path.lexists(p) for p in realnode.OUTSIDE_PATHS},
-        "iptables_chains": sorted(
-            line.split()[0]
-            for line in iptables.splitlines()
-            if line.startswith(":") and ("KUBE-" in line or "FINETUNE" in line)
-        ),
-        "processes": sorted(_node_processes(workdir)),
-        "run_dirs": sorted(p.name for p in Path("/run").glob("ftnode-*")),
-        "marker": realnode.MARKER.exists(),
-    }
-
-
-def _node_processes(workdir: Path) -> list[str]:
-    out = []
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit() or int(d.name) == os.getpid():
-            continue
-        try:
-            cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        if str(workdir) in cmd or "/run/ftnode-" in cmd or "containerd-shim" in cmd:
-            out.append(cmd[:200])
-    return out
 
 
 @dataclass
@@ -73,16 +33,9 @@ class RealCluster:
 
 
 @pytest.fixture(scope="module")
-def real(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealCluster]:
-    workdir = tmp_path_factory.mktemp("real-node")
-    before = host_snapshot(workdir)
-    cluster = DevCluster(workdir, nodes=1, die_with_parent=True, real_node=True)
-    try:
-        cluster.up(timeout=600)
-        api = config.new_client_from_config(config_file=str(cluster.kubeconfig))
-        yield RealCluster(cluster, client.CoreV1Api(api), before)
-    finally:
-        cluster.down()
+def real(real_node_cluster: RealNodeCluster) -> RealCluster:
+    api = config.new_client_from_config(config_file=str(real_node_cluster.cluster.kubeconfig))
+    return RealCluster(real_node_cluster.cluster, client.CoreV1Api(api), real_node_cluster.before)
 
 
 @pytest.fixture
