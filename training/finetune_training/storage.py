@@ -118,8 +118,8 @@ def download(uri: str, cache_root: str | Path, field: str = "storage") -> Path:
     The copy lands in a temporary sibling that is renamed into place, so concurrent ranks on one node
     never see a half-written file or directory; a finished copy is reused.
     """
-    fs, path = filesystem(uri)
-    target = Path(cache_root) / path.strip("/")
+    key = resolve_in_pod(uri).removeprefix("s3://").strip("/")  # no client yet: a cached copy needs none
+    target = Path(cache_root) / key
     if target.is_file() or (target / ".complete").exists():
         return target
     fs, path, files = files_of(uri, field)
