@@ -1,8 +1,12 @@
-"""Shared pytest options, and the Go-built tools some tests run (helm, promtool, the Grafana schema check)."""
+"""Shared pytest options, the Go-built tools some tests run (helm, promtool, the Grafana schema check), and a
+real S3-protocol server (`s3`: moto's standalone server, `finetune_devcluster.s3server`)."""
 
 from __future__ import annotations
 
+import uuid
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -67,11 +71,15 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     wanted = sorted({TOOL_FIXTURES[f][0] for i in session.items for f in getattr(i, "fixturenames", ())
                      if f in TOOL_FIXTURES})
     missing = [n for n in wanted if not build.is_built(ALL_COMPONENTS[n])]
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    say = reporter.write_line if reporter else print
     if missing:
-        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
-        say = reporter.write_line if reporter else print
         say(f"tools: building {', '.join(missing)} (cached in {build.cache_dir() / 'bin'})")
         build.build(missing, log=say)
+    if any("s3" in getattr(i, "fixturenames", ()) for i in session.items):
+        from finetune_devcluster import s3server
+
+        s3server.install(log=say)  # moto's own venv, once (~40 s cold); a no-op when cached
 
 
 def _tool(fixture: str) -> Path:
@@ -94,3 +102,65 @@ def promtool() -> Path:
 @pytest.fixture(scope="session")
 def grafana_dashboard_check() -> Path:
     return _tool("grafana_dashboard_check")
+
+
+S3_BUCKET = "finetune-tests"
+
+
+class S3Bucket:
+    """The session's S3 server and its bucket, as a test sees them: `uri()` gives a fresh prefix per call."""
+
+    def __init__(self, server: Any, bucket: str) -> None:
+        self.server = server
+        self.bucket = bucket
+
+    def uri(self, name: str = "") -> str:
+        """`s3://<bucket>/<unique>/<name>`: tests sharing the server never see each other's objects."""
+        return f"s3://{self.bucket}/{uuid.uuid4().hex[:10]}/{name}".rstrip("/")
+
+    def fs(self) -> Any:
+        import pyarrow.fs as pafs
+
+        return pafs.FileSystem.from_uri(f"s3://{self.bucket}")[0]
+
+    def put(self, uri: str, local: str | Path) -> str:
+        """Upload a local file (to `uri`) or directory tree (under `uri`)."""
+        from finetune_training.storage import upload_dir
+
+        src = Path(local)
+        if src.is_dir():
+            upload_dir(src, uri)
+        else:
+            with self.fs().open_output_stream(uri.removeprefix("s3://")) as out:
+                out.write(src.read_bytes())
+        return uri
+
+    def keys(self, uri: str) -> list[str]:
+        """Every object under a prefix, relative to it, sorted."""
+        import pyarrow.fs as pafs
+
+        base = uri.removeprefix("s3://").rstrip("/")
+        infos = self.fs().get_file_info(pafs.FileSelector(base, recursive=True, allow_not_found=True))
+        return sorted(i.path[len(base) + 1 :] for i in infos if i.type == pafs.FileType.File)
+
+
+@pytest.fixture(scope="session")
+def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Bucket]:
+    """A real S3-protocol server (moto_server on loopback) for the whole session, started only when a test
+    asks for it. The standard AWS variables point every client at it, as an EKS pod's would at S3
+    (AWS_ENDPOINT_URL for the endpoint; pyarrow and Ray Train read them; Ray workers inherit them)."""
+    from finetune_devcluster.s3server import S3Server
+
+    workdir = tmp_path_factory.mktemp("s3server")
+    server = S3Server(workdir).start(buckets=[S3_BUCKET])
+    with pytest.MonkeyPatch.context() as mp:
+        for key in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL_S3", "AWS_ROLE_ARN",
+                    "AWS_WEB_IDENTITY_TOKEN_FILE", "AWS_CONTAINER_CREDENTIALS_FULL_URI"):
+            mp.delenv(key, raising=False)
+        mp.setenv("AWS_EC2_METADATA_DISABLED", "true")  # never wait for an instance metadata service here
+        for key, value in server.env.items():
+            mp.setenv(key, value)
+        try:
+            yield S3Bucket(server, S3_BUCKET)
+        finally:
+            server.stop()

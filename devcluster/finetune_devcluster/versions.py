@@ -34,6 +34,9 @@ ARGOCD_KUSTOMIZE_VERSION = "v5.8.1"
 PROMETHEUS_VERSION = "v0.316.0"
 HELM_VERSION = "v4.3.2"
 GRAFANA_FOUNDATION_SDK_VERSION = "v0.0.22"
+# The S3-protocol server the tests run (`finetune_devcluster.s3server`): moto's standalone server, a Python
+# package installed into a virtualenv of its own (its pins: s3server-requirements.txt), not a Go build.
+MOTO_VERSION = "5.2.5"
 
 
 @dataclass(frozen=True)

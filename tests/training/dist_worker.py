@@ -106,26 +106,24 @@ def check_uneven_hybrid(rank: int, world: int) -> dict[str, Any]:
 
 
 def check_s3_resume(model_dir: str, rank: int, world: int, out: Path) -> dict[str, Any]:
-    """Save to a stand-in S3 bucket (pyarrow SubTreeFileSystem), resume: one download per node, removed."""
-    import pyarrow.fs as pafs
+    """Save to the session's S3 server (FINETUNE_TEST_S3_URI, AWS_* inherited), resume: one download per
+    node, removed afterwards."""
+    import os
+
     import torch
     from finetune_operator.api.spec import FSDPSpec, ModelSpec, ShardingStrategy, TrainingSpec
     from finetune_training import checkpoint as ckpt
     from finetune_training import modelio, optim, storage
     from finetune_training.parallel import apply_fsdp, build_mesh
 
-    bucket = out / "bucket"
-    bucket.mkdir(exist_ok=True)
-    fake = pafs.SubTreeFileSystem(str(bucket), pafs.LocalFileSystem())
-    storage.filesystem = lambda uri: (fake, uri.split("/", 3)[3])  # type: ignore[assignment]
     copies: list[bool] = []
-    real_download = storage.download_prefix
+    real_download = storage.download
 
-    def recording_download(uri: str, root: Any) -> Any:  # records whether this call had to copy
-        copies.append(not (Path(root) / uri.split("/", 3)[3] / ".complete").exists())
-        return real_download(uri, root)
+    def recording_download(uri: str, root: Any, field: str = "storage") -> Any:  # did this call copy?
+        copies.append(not (Path(root) / uri.removeprefix("s3://") / ".complete").exists())
+        return real_download(uri, root, field)
 
-    storage.download_prefix = recording_download  # type: ignore[assignment]
+    storage.download = recording_download  # type: ignore[assignment]
     fsdp = FSDPSpec(sharding_strategy=ShardingStrategy.full, activation_checkpointing=False)
     tspec = TrainingSpec(learning_rate=1e-2, fsdp=fsdp)
 
@@ -138,7 +136,7 @@ def check_s3_resume(model_dir: str, rank: int, world: int, out: Path) -> dict[st
     ids = torch.randint(5, 200, (2, 12), generator=torch.Generator().manual_seed(rank))
     model(input_ids=ids, labels=ids).loss.backward()
     opt.step()
-    uri = "s3://bucket/ckpt/checkpoint-step-00000001"
+    uri = f"{os.environ['FINETUNE_TEST_S3_URI']}/checkpoint-step-00000001"
     staging = out / "staging-node"  # both ranks on one node share the node-local staging directory
     ckpt.save_to(uri, model, opt, {"step": 1, "world_size": world}, rank, out / f"save-{rank}")
     model2, opt2 = build()

@@ -1,6 +1,6 @@
 """Two real ranks (gloo, FSDP2 on CPU) for what one rank cannot show: loading the weights once and
 broadcasting them, gradient sync only on the last micro-batch, HSDP with uneven ranks per node, and an
-S3 resume downloaded once per node. One pair of processes runs every check (tests/training/dist_worker.py).
+S3 resume (from the session's S3 server) downloaded once per node. One pair of processes runs every check (tests/training/dist_worker.py).
 """
 
 from __future__ import annotations
@@ -14,16 +14,18 @@ from typing import Any
 
 import pytest
 
+from ..conftest import S3Bucket
+
 WORKER = Path(__file__).with_name("dist_worker.py")
 
 
 @pytest.fixture(scope="module")
-def results(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+def results(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory, s3: S3Bucket) -> list[dict[str, Any]]:
     out = tmp_path_factory.mktemp("dist")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    env = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "FINETUNE_TEST_S3_URI": s3.uri("ckpt")}
     import os
 
     procs = [subprocess.Popen([sys.executable, str(WORKER), str(r), "2", str(port), str(tiny_model_dir), str(out)],

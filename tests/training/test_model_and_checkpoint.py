@@ -77,23 +77,6 @@ def test_missing_local_model_dir() -> None:
         modelio.resolve_source("/nonexistent/model")
 
 
-def test_s3_source_is_downloaded_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tiny_model_dir: Path) -> None:
-    """s3:// goes through pyarrow; here the S3 filesystem is a local SubTreeFileSystem stand-in."""
-    import shutil
-
-    import pyarrow.fs as pafs
-    from finetune_training import storage
-
-    bucket = tmp_path / "bucket"
-    shutil.copytree(tiny_model_dir, bucket / "models" / "tiny")
-    fake = pafs.SubTreeFileSystem(str(bucket), pafs.LocalFileSystem())
-    monkeypatch.setattr(storage, "filesystem", lambda uri: (fake, uri.split("/", 3)[3]))
-    cache = tmp_path / "cache"
-    path, local = modelio.resolve_source("s3://bucket/models/tiny", cache)
-    assert local and (Path(path) / "config.json").is_file() and (Path(path) / ".complete").is_file()
-    assert modelio.resolve_source("s3://bucket/models/tiny", cache)[0] == path
-
-
 # ------------------------------------------------------------------------------------ checkpoints
 
 

@@ -41,6 +41,14 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     env = RuntimeEnv.from_environ()
     storage = job.spec.training.checkpoint.storage_uri or f"/tmp/finetune/{job.metadata.name}"
+    from .storage import StorageError, check_source
+
+    try:  # an unreadable s3:// source fails the job here, once, before any worker starts
+        check_source(job.spec.model.source, "spec.model.source")
+        check_source(job.spec.dataset.source, "spec.dataset.source")
+    except StorageError as e:
+        print(status_yaml(summary(Phase.failed, str(e)[:2000], None)), flush=True)
+        return 1
     import ray
 
     ray.init()

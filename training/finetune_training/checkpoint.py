@@ -170,14 +170,14 @@ def load_from(uri: str, model: Any, optimizer: Any, local_rank: int, staging: st
 
     if not is_remote(uri):
         return load(uri, model, optimizer)
-    from .storage import download_prefix
+    from .storage import download
 
     root = Path(staging) / "resume"
     if local_rank == 0:
-        local = download_prefix(uri, root)
+        local = download(uri, root, "resume checkpoint")
     dist.barrier()
     if local_rank != 0:
-        local = download_prefix(uri, root)  # already complete: returns the path, copies nothing
+        local = download(uri, root, "resume checkpoint")  # already complete: returns the path, copies nothing
     try:
         return load(local, model, optimizer)
     finally:

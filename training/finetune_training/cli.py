@@ -127,9 +127,16 @@ def run_local(job: Any, storage: str, *, fresh: bool = False, max_failures: int 
             print("cluster.workers.gpusPerWorker > 0 but this machine has no GPU: set it to 0 for a local run",
                   file=sys.stderr)
             return 2
+    from .storage import StorageError, check_source
+
     for field, src in (("spec.model.source", spec.model.source), ("spec.dataset.source", spec.dataset.source)):
         if src.startswith("/") and not Path(src).exists():  # fail before starting Ray
             print(f"{field}: {src} does not exist", file=sys.stderr)
+            return 2
+        try:
+            check_source(src, field)
+        except StorageError as e:
+            print(e, file=sys.stderr)
             return 2
     name = run_name(job)
     run_dir = Path(checkpoints_dir(storage, name))

@@ -95,10 +95,11 @@ def read_records(spec: DatasetSpec, cache_dir: str | Path | None = None) -> list
     source = resolve_in_pod(spec.source)
     if is_remote(source):
         from .modelio import default_cache_dir
-        from .storage import download_prefix
+        from .storage import download
 
-        root = download_prefix(source, Path(cache_dir or default_cache_dir()) / "s3")
-        files = _local_files(root)
+        # One object is one file, a prefix every file under it (`storage.files_of`).
+        local = download(source, Path(cache_dir or default_cache_dir()) / "s3", "spec.dataset.source")
+        files = _local_files(local)
     elif source.startswith(("/", "./", "../")) or Path(source).exists():
         files = _local_files(Path(source))
     else:

@@ -20,13 +20,17 @@ def default_cache_dir() -> Path:
 def resolve_source(source: str, cache_dir: str | Path | None = None) -> tuple[str, bool]:
     """(what `from_pretrained` gets, whether it is a local directory).
 
-    `pvc://claim/path` → its mount path; `s3://bucket/prefix` → downloaded to the cache; absolute or
+    `pvc://claim/path` → its mount path; `s3://bucket/prefix` → every object under it downloaded to the cache; absolute or
     `./` paths as given; anything else is a hub id.
     """
     if is_remote(source):
-        from .storage import download_prefix
+        from .storage import StorageError, download
 
-        return str(download_prefix(source, Path(cache_dir or default_cache_dir()) / "s3")), True
+        local = download(source, Path(cache_dir or default_cache_dir()) / "s3", "spec.model.source")
+        if not local.is_dir():
+            raise StorageError(f"spec.model.source: {source}: is one object; a model source is a prefix holding "
+                               "config.json and the weights")
+        return str(local), True
     path = resolve_in_pod(source)
     if path.startswith(("/", "./", "../")) or Path(path).is_dir():
         if not Path(path).is_dir():

@@ -1,7 +1,18 @@
 """Files on the job's storage: local/PVC paths and `s3://` URIs through one pyarrow filesystem API.
 
 `pvc://` URIs are first mapped to their mount path with `finetune_operator.api.storage.resolve_in_pod`.
-S3 credentials come from the usual AWS chain (IRSA web identity in EKS pods, env vars, profile).
+A source means what it names: `s3://bucket/x/file.jsonl` (or `/data/file.jsonl`) is one file,
+`s3://bucket/x/` (or a directory) is every file under it; `get_file_info(path).type` tells them apart.
+
+S3 credentials and endpoint come from the standard AWS chain as the AWS SDK inside pyarrow reads it:
+`AWS_ACCESS_KEY_ID`/`AWS_SECRET_ACCESS_KEY` (+ `AWS_SESSION_TOKEN`), IRSA web identity
+(`AWS_ROLE_ARN` + `AWS_WEB_IDENTITY_TOKEN_FILE`), the EKS Pod Identity agent
+(`AWS_CONTAINER_CREDENTIALS_FULL_URI`), a profile; region from `AWS_REGION`; an S3-compatible endpoint from
+`AWS_ENDPOINT_URL` (or `AWS_ENDPOINT_URL_S3`). pyarrow applies the endpoint variables to filesystems made
+by `FileSystem.from_uri` (as here and in Ray Train), not to a bare `S3FileSystem()`.
+
+A source that cannot be read (no such object or prefix, no such bucket, no or wrong credentials, access
+denied, wrong region) raises `StorageError`: one line naming the field, the URI and the cause.
 """
 
 from __future__ import annotations
@@ -15,6 +26,39 @@ from typing import Any
 from finetune_operator.api.storage import is_remote, resolve_in_pod
 
 
+class StorageError(RuntimeError):
+    """A storage URI that cannot be used, for a reason retrying does not change (missing object, prefix or
+    bucket, credentials, access, region). The message is one line: `<field>: <uri>: <cause>`.
+
+    Deterministic: a retry policy should fail the job on it rather than restart the workers (the fail-fast
+    mechanism of issue 26 item 5 keys on this type; until then Ray Train retries it like any error).
+    """
+
+
+# Markers in the AWS SDK's error text (pyarrow raises OSError with it) -> what the user is told.
+_CAUSES: tuple[tuple[tuple[str, ...], str], ...] = (
+    (("NO_SUCH_BUCKET", "NoSuchBucket"), "the bucket does not exist"),
+    (("ACCESS_DENIED", "AccessDenied", "HTTP response code: 403"),
+     "access denied (the credentials in use may not read it: check the role's S3 policy)"),
+    (("INVALID_ACCESS_KEY_ID", "InvalidAccessKeyId", "SIGNATURE_DOES_NOT_MATCH", "SignatureDoesNotMatch",
+      "No credentials", "MISSING_AUTHENTICATION_TOKEN", "Unable to find credentials", "EXPIRED_TOKEN"),
+     "no valid AWS credentials (set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, or give the pods a service "
+     "account with IRSA or EKS Pod Identity)"),
+    (("PermanentRedirect", "AuthorizationHeaderMalformed", "HTTP response code: 301", "wrong region"),
+     "the bucket is in another region (set AWS_REGION to the bucket's region)"),
+)
+
+
+def explain(error: BaseException) -> str:
+    """The cause of a pyarrow/AWS error in a few words, one line."""
+    text = str(error)
+    for markers, cause in _CAUSES:
+        if any(m in text for m in markers):
+            return cause
+    first = text.strip().splitlines()[0] if text.strip() else type(error).__name__
+    return first[:300]
+
+
 def filesystem(uri: str) -> tuple[Any, str]:
     """(pyarrow FileSystem, path on it) for a spec URI or a local path."""
     import pyarrow.fs as pafs
@@ -26,42 +70,85 @@ def filesystem(uri: str) -> tuple[Any, str]:
     return pafs.LocalFileSystem(), os.path.abspath(uri)
 
 
+def files_of(uri: str, field: str) -> tuple[Any, str, list[Any]]:
+    """(filesystem, path, the FileInfos of its files): the object itself, or every file under the prefix.
+
+    Raises StorageError naming `field`, the URI and the cause when there is nothing to read.
+    """
+    import pyarrow.fs as pafs
+
+    try:
+        fs, path = filesystem(uri)
+        info = fs.get_file_info(path)
+        if info.type == pafs.FileType.File:
+            return fs, path, [info]
+        if info.type == pafs.FileType.Directory:
+            infos = fs.get_file_info(pafs.FileSelector(path, recursive=True))
+            files = sorted((i for i in infos if i.type == pafs.FileType.File), key=lambda i: str(i.path))
+            if not files:
+                raise StorageError(f"{field}: {uri}: no files under this prefix")
+            return fs, path, files
+        bucket = path.split("/", 1)[0]
+        if is_remote(resolve_in_pod(uri)) and fs.get_file_info(bucket).type == pafs.FileType.NotFound:
+            raise StorageError(f"{field}: {uri}: {explain(OSError('NoSuchBucket'))} ({bucket!r})")
+        raise StorageError(f"{field}: {uri}: no such object or prefix")
+    except StorageError:
+        raise
+    except (OSError, ValueError) as e:  # pyarrow: credentials, access, region, endpoint, malformed URI
+        raise StorageError(f"{field}: {uri}: {explain(e)}") from None
+
+
+def check_source(uri: str, field: str) -> None:
+    """Fail early (before Ray starts workers) when an s3:// source cannot be read; local paths are left
+    to the callers' own checks."""
+    if is_remote(resolve_in_pod(uri)):
+        files_of(uri, field)
+
+
 def local_absolute(uri: str) -> str:
     """A Ray `storage_path`: absolute local path, or the URI itself for S3."""
     uri = resolve_in_pod(uri)
     return uri if is_remote(uri) else os.path.abspath(uri)
 
 
-def download_prefix(uri: str, cache_root: str | Path) -> Path:
-    """Copy everything under an `s3://bucket/prefix` to `cache_root/bucket/prefix` (once) and return it.
+def download(uri: str, cache_root: str | Path, field: str = "storage") -> Path:
+    """Copy an `s3://bucket/key` object, or everything under an `s3://bucket/prefix`, to
+    `cache_root/bucket/key` (once) and return that file or directory.
 
     The copy lands in a temporary sibling that is renamed into place, so concurrent ranks on one node
-    never see a half-written directory; a finished copy is reused.
+    never see a half-written file or directory; a finished copy is reused.
     """
-    import pyarrow.fs as pafs
-
-    fs, path = filesystem(uri)
-    target = Path(cache_root) / path.strip("/")
-    if (target / ".complete").exists():
+    key = resolve_in_pod(uri).removeprefix("s3://").strip("/")  # no client yet: a cached copy needs none
+    target = Path(cache_root) / key
+    if target.is_file() or (target / ".complete").exists():
         return target
-    infos = fs.get_file_info(pafs.FileSelector(path, recursive=True))
-    files = [i for i in infos if i.type == pafs.FileType.File]
-    if not files:
-        raise FileNotFoundError(f"{uri}: no files under this prefix")
+    fs, path, files = files_of(uri, field)
     tmp = target.parent / f".{target.name}.{uuid.uuid4().hex[:8]}"
-    tmp.mkdir(parents=True, exist_ok=True)
-    for info in files:
-        rel = info.path[len(path.rstrip("/")) + 1 :]
-        dest = tmp / rel
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        with fs.open_input_stream(info.path) as src, open(dest, "wb") as out:
-            shutil.copyfileobj(src, out, length=16 << 20)
-    (tmp / ".complete").write_text(uri)
+    tmp.parent.mkdir(parents=True, exist_ok=True)
+    single = len(files) == 1 and files[0].path.rstrip("/") == path.rstrip("/")
+    try:
+        for info in files:
+            dest = tmp if single else tmp / info.path[len(path.rstrip("/")) + 1 :]
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            with fs.open_input_stream(info.path) as src, open(dest, "wb") as out:
+                shutil.copyfileobj(src, out, length=16 << 20)
+    except OSError as e:
+        _remove(tmp)
+        raise StorageError(f"{field}: {uri}: {explain(e)}") from None
+    if not single:
+        (tmp / ".complete").write_text(uri)
     try:
         tmp.rename(target)
     except OSError:  # another rank finished first
-        shutil.rmtree(tmp, ignore_errors=True)
+        _remove(tmp)
     return target
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
 
 
 def upload_dir(local_dir: str | Path, uri: str) -> None:
