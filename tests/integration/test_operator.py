@@ -324,9 +324,9 @@ def test_operator_killed_mid_reconcile_makes_no_duplicates(kube: Kube, namespace
                                                             operator_kubeconfig: Path, tmp_path: Path) -> None:
     operator.stop()
     # A real SIGKILL-equivalent crash at the worst moment: right after the children were created and before
-    # the status write that records them. The crash point is chosen with a test-only environment variable.
+    # the status write that records them: the fail point reconcile/after-create (api/failpoints.py).
     crashing = OperatorProcess(operator_kubeconfig, tmp_path, identity="op-crash", lease_namespace=LEASE_NS,
-                               extra_env={"FINETUNE_TEST_CRASH_AFTER_CREATE": "1"})
+                               extra_env={"FINETUNE_FAILPOINTS": "reconcile/after-create=exit(137)"})
     try:
         crashing.start()
         create(kube, namespace, ftj("crash"))
