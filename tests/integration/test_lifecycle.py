@@ -12,10 +12,8 @@ Everything else -- KubeRay deleting the RayJob, the garbage collector, finalizer
 
 from __future__ import annotations
 
-import os
 import signal
 import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -23,20 +21,24 @@ from typing import Any
 import pytest
 from kubernetes.client.rest import ApiException
 
+from tests.builders import ftj
 from tests.integration.conftest import Kube, wait_for
 from tests.integration.operator_fixtures import OperatorProcess, service_account_kubeconfig
-from tests.integration.test_operator import (
+from tests.integration.support import (
     LEASE_NS,
     G,
     P,
     V,
-    _token,
+    complete_rayjob,
     condition,
     create,
-    ftj,
+    emptied_namespace,  # noqa: F401  (the namespace fixture)
+    job_token,
     phase_is,
     rayjobs,
+    running_with_uid,
     status,
+    stays,
     worker_pods,
 )
 
@@ -60,72 +62,10 @@ def operator(operator_kubeconfig: Path, tmp_path_factory: pytest.TempPathFactory
     op.stop()
 
 
-@pytest.fixture
-def namespace(namespace: str, kube: Kube) -> Iterator[str]:
-    """conftest's namespace, emptied of its jobs' pods before it is deleted: the namespace controller,
-    finding pods still terminating, re-checks only after their grace period (~15 s a test); pods already
-    gone make the deletion take a second or two."""
-    yield namespace
-    for ftj_obj in kube.custom.list_namespaced_custom_object(G, V, namespace, P)["items"]:
-        try:
-            kube.custom.delete_namespaced_custom_object(G, V, namespace, P, ftj_obj["metadata"]["name"])
-        except ApiException as e:
-            if e.status != 404:
-                raise
-    deadline = time.monotonic() + 60  # best effort (a failed test may leave a finalizer): never fails here
-    while kube.core.list_namespaced_pod(namespace).items and time.monotonic() < deadline:
-        time.sleep(0.25)
-
-
 # ------------------------------------------------------------------------------- dev cluster control
 
 
-def restart_component(cluster: Any, name: str, env: dict[str, str] | None = None) -> None:
-    """Stop one dev-cluster component and start it again with the same command line (plus `env`)."""
-    proc = cluster._state()["processes"][name]
-    cluster._signal(proc, signal.SIGTERM)
-    deadline = time.monotonic() + 15
-    while cluster._alive(proc) and time.monotonic() < deadline:
-        cluster._reap(name)
-        time.sleep(0.05)
-    if cluster._alive(proc):
-        cluster._signal(proc, signal.SIGKILL)
-        while cluster._alive(proc):
-            cluster._reap(name)
-            time.sleep(0.05)
-    cluster._reap(name, block=True)
-    first = (cluster.logs_dir / f"{name}.log").read_text().splitlines()[0]
-    assert first.startswith("$ "), first
-    saved = dict(os.environ)
-    try:
-        os.environ.update(env or {})  # _spawn passes this process's environment on
-        cluster._spawn(name, first[2:].split())
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
-
-
-def kuberay_ready(cluster: Any) -> bool:
-    port = cluster._state()["ports"]["ray-probe"]
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=2) as r:
-            return bool(r.read().decode() == "ok")
-    except OSError:
-        return False
-
-
 # ----------------------------------------------------------------------------------------- helpers
-
-
-def complete_rayjob(kube: Kube, ns: str, name: str, job_status: str = "SUCCEEDED") -> None:
-    """Write what KubeRay writes when the Ray job ends (the one simulated step: kwok runs no Ray)."""
-    now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-    deploy = "Complete" if job_status == "SUCCEEDED" else "Failed"
-    kube.custom.patch_namespaced_custom_object_status(
-        "ray.io", "v1", ns, "rayjobs", name,
-        {"status": {"jobStatus": job_status, "jobDeploymentStatus": deploy, "endTime": now}},
-        _content_type="application/merge-patch+json",
-    )
 
 
 def kuberay_deletes_it_when_done(kube: Kube, ns: str, name: str) -> None:
@@ -144,26 +84,11 @@ def kuberay_deletes_it_when_done(kube: Kube, ns: str, name: str) -> None:
 def report_done(kube: Kube, ns: str, name: str, operator: OperatorProcess, step: int = 50) -> None:
     """The training runtime's final report, posted as the runtime posts it (pod-bound job-audience token)."""
     pod = wait_for(f"{name} worker pod", lambda: (p := worker_pods(kube, ns, name)) and p[0], timeout=90)
-    token = _token(kube, ns, pod, f"finetune.dev/progress/{ns}/{name}")
+    token = job_token(kube, ns, pod, f"finetune.dev/progress/{ns}/{name}")
     body = {"rank": 0, "phase": "Done", "training": {"step": step, "totalSteps": step, "loss": 0.5}}
     code, text = operator.post(ns, name, body, token)
     assert code == 202, text
     wait_for("runtimePhase Done flushed", lambda: status(kube, ns, name).get("runtimePhase") == "Done", timeout=30)
-
-
-def running_with_uid(kube: Kube, ns: str, name: str) -> str:
-    st = wait_for(f"{name} Running", lambda: phase_is(kube, ns, name, "Running"), timeout=180)
-    (rj,) = [r for r in rayjobs(kube, ns) if r["metadata"]["name"] == name]
-    assert st["rayJobUID"] == rj["metadata"]["uid"]  # type: ignore[index]
-    return str(rj["metadata"]["uid"])
-
-
-def stays(what: str, check: Any, seconds: float) -> None:
-    """`check()` must hold the whole time (sampled), not just eventually."""
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        assert check(), what
-        time.sleep(0.25)
 
 
 def no_rayjob(kube: Kube, ns: str) -> bool:
@@ -379,7 +304,7 @@ def test_a_paused_leader_writes_nothing_after_a_standby_took_over(
         b.start(wait_ready=False)
         wait_for("B serving as a standby", lambda: b.readyz() == 503, timeout=60)
         pod = worker_pods(kube, namespace, "fence")[0]
-        token = _token(kube, namespace, pod, f"finetune.dev/progress/{namespace}/fence")
+        token = job_token(kube, namespace, pod, f"finetune.dev/progress/{namespace}/fence")
         code, text = a.post(namespace, "fence", {"rank": 0, "training": {"step": 6, "totalSteps": 50}}, token)
         assert code == 202, text
         wait_for("A's first report written at once", lambda: status(kube, namespace, "fence").get("step") == "6/50",
@@ -489,7 +414,7 @@ def test_a_sigstopped_training_becomes_stalled_then_recovers_then_fails_by_polic
     running_with_uid(kube, namespace, "hang")
     pod = worker_pods(kube, namespace, "hang")[0]
     token_file = tmp_path / "token"
-    token_file.write_text(_token(kube, namespace, pod, f"finetune.dev/progress/{namespace}/hang"))
+    token_file.write_text(job_token(kube, namespace, pod, f"finetune.dev/progress/{namespace}/hang"))
     url = f"{operator.url}/v1/progress/{namespace}/hang"
     trainer = subprocess.Popen([sys.executable, "-c", REPORTER, url, str(token_file)], stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT)
@@ -724,7 +649,7 @@ def test_a_reconcile_error_is_a_condition_until_it_is_fixed(kube: Kube, namespac
     rbac.create_namespaced_role_binding(LEASE_NS, client.V1RoleBinding(
         metadata=client.V1ObjectMeta(name=sa), subjects=subject,
         role_ref=client.V1RoleRef(api_group="rbac.authorization.k8s.io", kind="Role", name="finetune-operator-leader")))
-    token = kube.core.create_namespaced_service_account_token(
+    token = kube.core.create_namespaced_service_accountjob_token(
         sa, LEASE_NS, client.AuthenticationV1TokenRequest(spec=client.V1TokenRequestSpec(audiences=[],
                                                                                         expiration_seconds=3600))).status.token
     cfg = yaml.safe_load(Path(control_plane.kubeconfig).read_text())

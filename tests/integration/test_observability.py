@@ -12,10 +12,11 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.builders import ftj
 from tests.deploy.observability import dashboard_queries, metric_names, rule_exprs
 from tests.integration.conftest import Kube, wait_for
 from tests.integration.operator_fixtures import OperatorProcess, service_account_kubeconfig
-from tests.integration.test_operator import LEASE_NS, _token, create, ftj, phase_is, worker_pods
+from tests.integration.support import LEASE_NS, create, job_token, phase_is, worker_pods
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +37,7 @@ def test_dashboard_and_alert_metrics_exist_after_a_job_ran(kube: Kube, namespace
     create(kube, namespace, ftj("observed"))
     wait_for("Running", lambda: phase_is(kube, namespace, "observed", "Running"), timeout=120)
     pod = worker_pods(kube, namespace, "observed")[0]
-    token = _token(kube, namespace, pod, f"finetune.dev/progress/{namespace}/observed")
+    token = job_token(kube, namespace, pod, f"finetune.dev/progress/{namespace}/observed")
     report = {"rank": 0,
               "training": {"step": 40, "totalSteps": 100, "loss": 1.25, "evalLoss": 1.5, "tokensPerSecond": 12000.0,
                            "mfu": 0.38, "etaSeconds": 900.0},
@@ -114,7 +115,7 @@ def test_progress_writes_of_a_running_job_cost_no_reconcile(kube: Kube, namespac
     create(kube, namespace, ftj("quiet"))
     wait_for("Running", lambda: phase_is(kube, namespace, "quiet", "Running"), timeout=120)
     pod = worker_pods(kube, namespace, "quiet")[0]
-    token = _token(kube, namespace, pod, f"finetune.dev/progress/{namespace}/quiet")
+    token = job_token(kube, namespace, pod, f"finetune.dev/progress/{namespace}/quiet")
 
     def reconciles() -> float:
         return sum(v for (n, _), v in samples(operator.metrics()).items() if n == "finetune_reconcile_total")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import subprocess
 import time
 from collections.abc import Iterator
@@ -13,12 +12,25 @@ import pytest
 from kubernetes import client
 from kubernetes.client.rest import ApiException
 
+from tests.builders import example, ftj
 from tests.integration.conftest import MANUAL_RAY_JOBS, Kube, wait_for
-from tests.integration.operator_fixtures import OperatorProcess, example, pod_token, service_account_kubeconfig
-
-G, V, P = "finetune.dev", "v1alpha1", "finetunejobs"
-SEED = "qwen2.5-1.5b-g6-efa.yaml"
-LEASE_NS = "finetune-system"
+from tests.integration.operator_fixtures import OperatorProcess, service_account_kubeconfig
+from tests.integration.support import (
+    LEASE_NS,
+    G,
+    P,
+    V,
+    condition,
+    create,
+    get,
+    job_token,
+    kubectl,
+    phase_is,
+    rayclusters,
+    rayjobs,
+    status,
+    worker_pods,
+)
 
 
 @pytest.fixture(scope="module")
@@ -33,58 +45,6 @@ def operator(operator_kubeconfig: Path, tmp_path_factory: pytest.TempPathFactory
     op.start()
     yield op
     op.stop()
-
-
-def ftj(name: str, source: str = SEED, **spec_overrides: Any) -> dict[str, Any]:
-    doc = copy.deepcopy(example(source))
-    doc["metadata"] = {"name": name}
-    for path, value in spec_overrides.items():
-        node = doc["spec"]
-        *parents, leaf = path.split("__")
-        for part in parents:
-            node = node.setdefault(part, {})
-        node[leaf] = value
-    return doc
-
-
-def create(kube: Kube, ns: str, doc: dict[str, Any]) -> dict[str, Any]:
-    return kube.custom.create_namespaced_custom_object(G, V, ns, P, doc)  # type: ignore[no-any-return]
-
-
-def get(kube: Kube, ns: str, name: str) -> dict[str, Any]:
-    return kube.custom.get_namespaced_custom_object(G, V, ns, P, name)  # type: ignore[no-any-return]
-
-
-def status(kube: Kube, ns: str, name: str) -> dict[str, Any]:
-    return get(kube, ns, name).get("status") or {}
-
-
-def phase_is(kube: Kube, ns: str, name: str, *phases: str) -> Any:
-    st = status(kube, ns, name)
-    return st if st.get("phase") in phases else None
-
-
-def condition(st: dict[str, Any], ctype: str) -> dict[str, Any] | None:
-    return next((c for c in st.get("conditions") or [] if c["type"] == ctype), None)
-
-
-def rayjobs(kube: Kube, ns: str) -> list[dict[str, Any]]:
-    return kube.custom.list_namespaced_custom_object("ray.io", "v1", ns, "rayjobs")["items"]  # type: ignore[no-any-return]
-
-
-def rayclusters(kube: Kube, ns: str) -> list[dict[str, Any]]:
-    return kube.custom.list_namespaced_custom_object("ray.io", "v1", ns, "rayclusters")["items"]  # type: ignore[no-any-return]
-
-
-def worker_pods(kube: Kube, ns: str, job: str) -> list[Any]:
-    pods = kube.core.list_namespaced_pod(ns, label_selector=f"finetune.dev/job={job},ray.io/node-type=worker").items
-    return [p for p in pods if p.metadata.deletion_timestamp is None]
-
-
-def kubectl(kube: Kube, *args: str) -> str:
-    out = subprocess.run(["kubectl", "--kubeconfig", str(kube.kubeconfig), *args], capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, out.stderr
-    return out.stdout
 
 
 # ----------------------------------------------------------------------------------------------- tests
@@ -349,10 +309,6 @@ def test_operator_killed_mid_reconcile_makes_no_duplicates(kube: Kube, namespace
     assert len(rayjobs(kube, namespace)) == 1 and len(rayclusters(kube, namespace)) == 1
 
 
-def _token(kube: Kube, namespace: str, pod: Any, audience: str) -> str:
-    return pod_token(kube.core, namespace, pod, audience)
-
-
 def test_progress_channel_authenticates_per_job(kube: Kube, namespace: str, operator: OperatorProcess) -> None:
     create(kube, namespace, ftj("alpha"))
     create(kube, namespace, ftj("beta"))
@@ -361,8 +317,8 @@ def test_progress_channel_authenticates_per_job(kube: Kube, namespace: str, oper
     alpha_pod = worker_pods(kube, namespace, "alpha")[0]
     beta_pod = worker_pods(kube, namespace, "beta")[0]
     # The projected token the pod gets is minted exactly like this: bound to the pod, job audience.
-    alpha_token = _token(kube, namespace, alpha_pod, f"finetune.dev/progress/{namespace}/alpha")
-    beta_token = _token(kube, namespace, beta_pod, f"finetune.dev/progress/{namespace}/beta")
+    alpha_token = job_token(kube, namespace, alpha_pod, f"finetune.dev/progress/{namespace}/alpha")
+    beta_token = job_token(kube, namespace, beta_pod, f"finetune.dev/progress/{namespace}/beta")
     body = {"rank": 0, "training": {"step": 7, "totalSteps": 100, "loss": 1.234, "tokensPerSecond": 5000.0},
             "network": {"transport": "efa", "provider": "efa", "healthy": True, "message": "NET/OFI efa, 1 nic"}}
     assert operator.post(namespace, "alpha", body, None)[0] == 401
@@ -404,7 +360,7 @@ def test_a_report_from_an_earlier_ray_cluster_is_refused(kube: Kube, namespace: 
         spec=client.V1PodSpec(containers=[client.V1Container(name="ray-worker", image="unused")],
                               node_selector={"finetune.dev/nowhere": "true"})))  # stays Pending: enough for a token
     audience = f"finetune.dev/progress/{namespace}/gamma"
-    stale_token = _token(kube, namespace, stale_pod, audience)
+    stale_token = job_token(kube, namespace, stale_pod, audience)
     stale = {"rank": 0, "training": {"step": 90, "totalSteps": 100, "loss": 9.99}}
 
     def refused() -> tuple[int, str] | None:
@@ -415,7 +371,7 @@ def test_a_report_from_an_earlier_ray_cluster_is_refused(kube: Kube, namespace: 
     code, text = wait_for("the stale report refused", refused, timeout=30)  # type: ignore[misc]
     assert f"{current}-earlier" in text and current in text, text
     code, text = operator.post(namespace, "gamma", {"rank": 0, "training": {"step": 3, "totalSteps": 100, "loss": 1.5}},
-                               _token(kube, namespace, current_pod, audience))
+                               job_token(kube, namespace, current_pod, audience))
     assert code == 202, text
     wait_for("the current cluster's report in status",
              lambda: (status(kube, namespace, "gamma").get("training") or {}).get("loss") == 1.5, timeout=30)
@@ -451,7 +407,7 @@ def test_training_runtime_reports_through_the_progress_channel(kube: Kube, names
     pod = wait_for("a worker pod", lambda: (p := worker_pods(kube, namespace, "e2e")) and p[0], timeout=90)
     # kwok runs no kubelet, so nothing mounts the projected token; mint the same token the kubelet would.
     token_file = tmp_path / "token"
-    token_file.write_text(_token(kube, namespace, pod, f"finetune.dev/progress/{namespace}/e2e"))
+    token_file.write_text(job_token(kube, namespace, pod, f"finetune.dev/progress/{namespace}/e2e"))
     job = example("local-tiny.yaml")
     job["metadata"] = {"name": "e2e", "namespace": namespace}
     root = Path(__file__).resolve().parents[2]
@@ -617,7 +573,7 @@ def test_forged_token_flood_costs_no_leadership_and_no_genuine_report(kube: Kube
     jobs = []
     for n in names:
         pod = wait_for(f"{n} worker pod", lambda n=n: (p := worker_pods(kube, namespace, n)) and p[0], timeout=90)
-        jobs.append((namespace, n, _token(kube, namespace, pod, f"finetune.dev/progress/{namespace}/{n}")))
+        jobs.append((namespace, n, job_token(kube, namespace, pod, f"finetune.dev/progress/{namespace}/{n}")))
 
     def reviews() -> float:
         m = re.search(r"^finetune_progress_token_reviews_total ([0-9.e+]+)$", operator.metrics(), re.M)
