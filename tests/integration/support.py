@@ -1,6 +1,7 @@
 """Helpers the integration tests share (test modules import this, never each other).
 
 - FinetuneJob and child reads: create, get, status, phase_is, condition, rayjobs, rayclusters, worker_pods.
+- metric: one figure from an operator's /metrics.
 - job_token: the pod-bound, job-audience token the kubelet would project into a Ray pod.
 - complete_rayjob: the simulated end of a Ray job (kwok runs no Ray).
 - emptied_namespace: the ``namespace`` fixture, emptied of its jobs' pods before it is deleted (a test
@@ -69,6 +70,14 @@ def kubectl(kube: Kube, *args: str) -> str:
     return out.stdout
 
 
+def metric(text: str, name: str, **labels: str) -> float:
+    """The sum of the samples of ``name`` in a /metrics text whose labels include ``labels`` (0.0: none)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return sum(smp.value for fam in text_string_to_metric_families(text) for smp in fam.samples
+               if smp.name == name and all(smp.labels.get(k) == v for k, v in labels.items()))
+
+
 def job_token(kube: Kube, namespace: str, pod: Any, audience: str) -> str:
     return pod_token(kube.core, namespace, pod, audience)
 
@@ -89,7 +98,8 @@ def stays(what: str, check: Any, seconds: float) -> None:
 
 
 def complete_rayjob(kube: Kube, ns: str, name: str, job_status: str = "SUCCEEDED") -> None:
-    """Write what KubeRay writes when the Ray job ends (the one simulated step: kwok runs no Ray)."""
+    """Write what KubeRay writes when the Ray job ends (a simulated step: kwok runs no Ray; the other is the
+    dashboard stand-in's jobStatus RUNNING, conftest.py's ray_dashboard)."""
     now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     deploy = "Complete" if job_status == "SUCCEEDED" else "Failed"
     kube.custom.patch_namespaced_custom_object_status(

@@ -298,8 +298,9 @@ def rayclusters(kube: Kube, ns: str) -> list[dict[str, Any]]:
 
 
 def finish_rayjob(kube: Kube, ns: str, name: str, succeeded: bool) -> None:
-    """The one simulated step: kwok pods run no Ray, so we write the terminal status KubeRay writes
-    when the Ray job ends (as tests/integration/test_operator.py does)."""
+    """A simulated step (the second, after the dashboard stand-in's jobStatus RUNNING that the tests asking
+    for ray_dashboard get): kwok pods run no Ray, so we write the terminal status KubeRay writes when the
+    Ray job ends (as tests/integration/support.py's complete_rayjob does)."""
     now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     status = ({"jobStatus": "SUCCEEDED", "jobDeploymentStatus": "Complete", "endTime": now} if succeeded else
               {"jobStatus": "FAILED", "jobDeploymentStatus": "Failed", "reason": "AppFailed",
@@ -330,6 +331,7 @@ def small_job(name: str) -> dict[str, Any]:
 # ---------------------------------------------------------------------------------------------- tests
 
 
+@pytest.mark.usefixtures("ray_dashboard")
 def test_train_then_serve_waits_for_training(kube: Kube, namespace: str, argocd: ArgoCD, operator: OperatorProcess,
                                             repo: GitRepo) -> None:
     """The train-then-serve example: wave 1 (serving) is applied only once the FinetuneJob is Healthy."""
@@ -375,6 +377,7 @@ def test_train_then_serve_waits_for_training(kube: Kube, namespace: str, argocd:
         delete_app(kube, name)
 
 
+@pytest.mark.usefixtures("ray_dashboard")
 def test_failed_job_is_degraded_and_wave_1_never_runs(kube: Kube, namespace: str, argocd: ArgoCD,
                                                        operator: OperatorProcess, repo: GitRepo) -> None:
     example = EXAMPLES / "train-then-serve"
@@ -397,6 +400,7 @@ def test_failed_job_is_degraded_and_wave_1_never_runs(kube: Kube, namespace: str
         delete_app(kube, name)
 
 
+@pytest.mark.usefixtures("ray_dashboard")
 def test_changing_a_job_in_git(kube: Kube, namespace: str, argocd: ArgoCD, operator: OperatorProcess,
                                repo: GitRepo) -> None:
     """Mutable edits sync without disturbing the run; an immutable edit fails the sync (after Argo CD's
@@ -505,6 +509,7 @@ def test_changing_a_job_in_git(kube: Kube, namespace: str, argocd: ArgoCD, opera
         delete_app(kube, name)
 
 
+@pytest.mark.usefixtures("ray_dashboard")
 def test_server_side_apply_fails_the_comparison_instead(kube: Kube, namespace: str, argocd: ArgoCD,
                                                         operator: OperatorProcess, repo: GitRepo) -> None:
     """Why the job examples use client-side apply (docs/gitops.md): with ServerSideApply=true Argo CD
@@ -540,6 +545,7 @@ def test_server_side_apply_fails_the_comparison_instead(kube: Kube, namespace: s
         delete_app(kube, name)
 
 
+@pytest.mark.usefixtures("ray_dashboard")
 def test_children_never_tracked_and_finished_job_stays_synced(kube: Kube, namespace: str, argocd: ArgoCD,
                                                               operator: OperatorProcess, repo: GitRepo) -> None:
     """Label tracking (app.kubernetes.io/instance, which our children also carry with the job's name),

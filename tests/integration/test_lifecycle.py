@@ -5,9 +5,11 @@
   while the job completes -- is never re-created; the outcome is decided from what is known.
 - Delete-and-recreate with the same name waits for the previous incarnation's children.
 
-The one simulated step (as in test_operator.py): kwok pods run no Ray, so a Ray job cannot finish; the
-tests write the terminal status KubeRay writes when a job succeeds to the RayJob's status subresource.
-Everything else -- KubeRay deleting the RayJob, the garbage collector, finalizers -- is the real thing.
+Two simulated steps (as in test_operator.py), because kwok pods run no Ray: the tests that need a running
+job ask for the Ray dashboard stand-in (ray_dashboard: jobStatus RUNNING once KubeRay's submitter exists),
+and a Ray job cannot finish, so the tests write the terminal status KubeRay writes when a job succeeds to
+the RayJob's status subresource (support.complete_rayjob). Everything else -- KubeRay deleting the RayJob,
+the garbage collector, finalizers -- is the real thing.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from tests.integration.support import (
     create,
     emptied_namespace,  # noqa: F401  (the namespace fixture)
     job_token,
+    metric,
     phase_is,
     rayjobs,
     running_with_uid,
@@ -98,6 +101,7 @@ def no_rayjob(kube: Kube, ns: str) -> bool:
 # ------------------------------------------------------------------------------- 1. never runs again
 
 
+@pytest.mark.usefixtures("ray_dashboard")
 def test_rayjob_deleted_by_hand_while_running_is_not_recreated(kube: Kube, namespace: str,
                                                                 operator: OperatorProcess) -> None:
     create(kube, namespace, ftj("handdel"))
@@ -114,6 +118,7 @@ def test_rayjob_deleted_by_hand_while_running_is_not_recreated(kube: Kube, names
     assert any(e.type == "Warning" and e.reason == "Failed" for e in events)
 
 
+@pytest.mark.usefixtures("ray_dashboard")
 def test_rayjob_deleted_after_the_training_reported_done_is_succeeded(kube: Kube, namespace: str,
                                                                        operator: OperatorProcess) -> None:
     create(kube, namespace, ftj("reported"))
@@ -127,6 +132,7 @@ def test_rayjob_deleted_after_the_training_reported_done_is_succeeded(kube: Kube
         r["metadata"].get("deletionTimestamp") for r in rayjobs(kube, namespace)), 6)
 
 
+@pytest.mark.usefixtures("ray_dashboard")
 def test_kuberay_deletes_the_finished_rayjob_at_once(kube: Kube, namespace: str, operator: OperatorProcess) -> None:
     create(kube, namespace, ftj("ttl0"))
     running_with_uid(kube, namespace, "ttl0")
@@ -138,6 +144,7 @@ def test_kuberay_deletes_the_finished_rayjob_at_once(kube: Kube, namespace: str,
     stays("no RayJob is re-created", lambda: no_rayjob(kube, namespace), 6)
 
 
+@pytest.mark.usefixtures("ray_dashboard")
 def test_operator_down_while_the_job_completes_and_kuberay_deletes_it(
         kube: Kube, namespace: str, operator: OperatorProcess) -> None:
     create(kube, namespace, ftj("offline"))
@@ -164,6 +171,7 @@ def test_operator_down_while_the_job_completes_and_kuberay_deletes_it(
 # ------------------------------------------------------------------------- 2. delete and re-create
 
 
+@pytest.mark.usefixtures("ray_dashboard")
 def test_delete_and_recreate_waits_for_the_previous_rayjob(kube: Kube, namespace: str,
                                                             operator: OperatorProcess) -> None:
     create(kube, namespace, ftj("again"))
@@ -219,6 +227,7 @@ def test_delete_and_recreate_waits_for_the_previous_rayjob(kube: Kube, namespace
     assert st["rayJobUID"] == rj["metadata"]["uid"]  # type: ignore[index]
 
 
+@pytest.mark.usefixtures("ray_dashboard")
 def test_a_write_meant_for_a_deleted_job_never_lands_on_its_successor(
         kube: Kube, namespace: str, operator: OperatorProcess, operator_kubeconfig: Path) -> None:
     """A reconcile (or a progress flush) that read the job before `kubectl delete && kubectl apply` writes
@@ -288,6 +297,7 @@ def test_a_write_meant_for_a_deleted_job_never_lands_on_its_successor(
 # ------------------------------------------------------------------------------ 7. leader fencing
 
 
+@pytest.mark.usefixtures("ray_dashboard")
 def test_a_paused_leader_writes_nothing_after_a_standby_took_over(
         kube: Kube, namespace: str, operator: OperatorProcess, operator_kubeconfig: Path, tmp_path: Path) -> None:
     operator.stop()  # releases the Lease
@@ -331,6 +341,7 @@ def test_a_paused_leader_writes_nothing_after_a_standby_took_over(
         operator.start()
 
 
+@pytest.mark.usefixtures("ray_dashboard")
 def test_a_progress_write_paused_after_the_leader_check_is_refused_by_the_api_server(
         kube: Kube, namespace: str, operator: OperatorProcess, operator_kubeconfig: Path) -> None:
     """The Lease check before a write cannot fence a write that passed it and was then paused (SIGSTOP,
@@ -405,6 +416,7 @@ while True:  # a training loop that reports every step, the way finetune_trainin
 """
 
 
+@pytest.mark.usefixtures("ray_dashboard")
 def test_a_sigstopped_training_becomes_stalled_then_recovers_then_fails_by_policy(
         kube: Kube, namespace: str, operator: OperatorProcess, tmp_path: Path) -> None:
     import subprocess
@@ -464,6 +476,7 @@ def test_a_sigstopped_training_becomes_stalled_then_recovers_then_fails_by_polic
 # ------------------------------------------------------------------- 5. progress reaches the leader
 
 
+@pytest.mark.usefixtures("ray_dashboard")
 def test_a_stalled_job_gets_a_new_ray_cluster_by_policy_restart_then_fails_when_none_is_left(
         kube: Kube, namespace: str, operator: OperatorProcess) -> None:
     """stallPolicy action Restart: the stalled job's RayJob is suspended (KubeRay deletes the Ray cluster),
@@ -515,7 +528,11 @@ def test_the_service_routes_progress_to_the_leader_only(kube: Kube, operator: Op
     """deploy/operator.yaml on the dev cluster: kwok plays the two operator pods (it runs no containers
     and reports them Ready without probes), two real operator processes act as those pods (--pod-name).
     The leader labels its own pod, the Service selects that label, and the EndpointSlice controller
-    (kube-controller-manager) routes to the leader only, also after a failover."""
+    (kube-controller-manager) routes to the leader only, also after a failover. Requests go through the
+    Service: each process listens on its pod's IP (added to lo; kwok's IPs lead nowhere), port 8080, and the
+    API server's service proxy picks the endpoint; only the leader's /metrics say
+    finetune_operator_leader 1 (a standby's say 0, and its /readyz 503)."""
+    import os
     import subprocess
 
     root = Path(__file__).resolve().parents[2]
@@ -523,6 +540,7 @@ def test_the_service_routes_progress_to_the_leader_only(kube: Kube, operator: Op
                    check=True, capture_output=True, timeout=60)
     ns = "finetune-system"
     procs: list[OperatorProcess] = []
+    added: list[str] = []
     try:
         out = subprocess.run(["kubectl", "--kubeconfig", str(kube.kubeconfig), "-n", ns, "rollout", "status",
                               "deploy/finetune-operator", "--timeout=120s"], capture_output=True, text=True, timeout=150)
@@ -540,23 +558,48 @@ def test_the_service_routes_progress_to_the_leader_only(kube: Kube, operator: Op
             return {a for sl in slices for e in (sl.endpoints or []) if (e.conditions and e.conditions.ready)
                     for a in e.addresses}
 
+        assert os.geteuid() == 0, "this test adds the operator pods' IPs to lo (ip addr add): run it as root, as CI does"
+        for pod in (pod_a, pod_b):
+            subprocess.run(["ip", "addr", "add", f"{pod.status.pod_ip}/32", "dev", "lo"], check=True, timeout=10)
+            added.append(pod.status.pod_ip)
+
+        def through_service(path: str) -> str:
+            return str(kube.core.connect_get_namespaced_service_proxy_with_path("finetune-operator:http", ns, path))
+
+        def leader_answers() -> bool:
+            try:
+                return through_service("readyz") == "leader" and metric(
+                    through_service("metrics"), "finetune_operator_leader") == 1.0
+            except ApiException:  # 503: a standby (or no endpoint yet) answered
+                return False
+
         operator.stop()  # the module's operator releases the Lease; A and B compete for it
         a = OperatorProcess(operator_kubeconfig, tmp_path, identity=pod_a.metadata.name, lease_namespace=ns,
-                            extra_args=["--pod-name", pod_a.metadata.name, *SHORT_LEASE])
+                            extra_args=["--pod-name", pod_a.metadata.name, *SHORT_LEASE], host=pod_a.status.pod_ip,
+                            port=8080)
         b = OperatorProcess(operator_kubeconfig, tmp_path, identity=pod_b.metadata.name, lease_namespace=ns,
-                            extra_args=["--pod-name", pod_b.metadata.name, *SHORT_LEASE])
+                            extra_args=["--pod-name", pod_b.metadata.name, *SHORT_LEASE], host=pod_b.status.pod_ip,
+                            port=8080)
         procs += [a, b]
         a.start()
         b.start(wait_ready=False)
         wait_for("Service endpoints = the leader's pod", lambda: endpoints() == {pod_a.status.pod_ip}, timeout=60)
         assert "finetune.dev/operator-leader" not in (kube.core.read_namespaced_pod(pod_b.metadata.name, ns).metadata.labels or {})
+        assert b.readyz() == 503 and metric(b.metrics(), "finetune_operator_leader") == 0.0  # B would say so
+        for _ in range(5):  # every request through the Service reaches the leader
+            assert leader_answers()
         a.kill()  # the leader dies; its pod object (and label) stays, as when only the container restarts
         b.wait_ready(timeout=90)
         a.start(wait_ready=False)  # the container restarts: as a standby it drops its stale label
         wait_for("Service endpoints = the new leader's pod", lambda: endpoints() == {pod_b.status.pod_ip}, timeout=60)
+        assert a.readyz() == 503
+        for _ in range(5):
+            assert leader_answers()  # B now: A's /metrics say 0 and its /readyz 503
     finally:
         for p in procs:
             p.stop()
+        for ip in added:
+            subprocess.run(["ip", "addr", "del", f"{ip}/32", "dev", "lo"], check=False, timeout=10)
         subprocess.run(["kubectl", "--kubeconfig", str(kube.kubeconfig), "delete", "--wait=false", "-f",
                         str(root / "deploy" / "operator.yaml")], capture_output=True, timeout=60)
         operator.start()
@@ -571,6 +614,7 @@ def client_discovery(kube: Kube) -> Any:
 # ---------------------------------------------------------------- 2b. a rejected child is not terminal
 
 
+@pytest.mark.usefixtures("ray_dashboard")
 def test_a_child_rejected_by_admission_blocks_until_the_policy_goes(kube: Kube, namespace: str,
                                                                      operator: OperatorProcess) -> None:
     """A real ValidatingAdmissionPolicy makes the API server answer 422 to the RayJob's apply; the job
@@ -623,6 +667,7 @@ def test_a_child_rejected_by_admission_blocks_until_the_policy_goes(kube: Kube, 
 # ------------------------------------------------------------------ 3. reconcile errors are visible
 
 
+@pytest.mark.usefixtures("ray_dashboard")
 def test_a_reconcile_error_is_a_condition_until_it_is_fixed(kube: Kube, namespace: str, operator: OperatorProcess,
                                                              control_plane: Any, tmp_path: Path) -> None:
     """The operator runs with RBAC that lacks `patch` on RayJobs (a real 403 from the real authorizer):

@@ -99,6 +99,7 @@ def post_progress(kube: Kube, ns: str, name: str, op: OperatorProcess, step: int
 
 
 @pytest.mark.parametrize("component", ["kube-apiserver", "etcd", "ray-operator"])
+@pytest.mark.usefixtures("ray_dashboard")
 def test_a_control_plane_component_restarts_mid_run(kube: Kube, namespace: str, control_plane: Any,
                                                    supervised: Supervised, component: str) -> None:
     create(kube, namespace, ftj("steady"))
@@ -122,6 +123,7 @@ def test_a_control_plane_component_restarts_mid_run(kube: Kube, namespace: str, 
     post_progress(kube, namespace, "steady", supervised.op, 13)
 
 
+@pytest.mark.usefixtures("ray_dashboard")
 def test_operator_killed_again_and_again_while_jobs_are_created(kube: Kube, namespace: str,
                                                                  supervised: Supervised) -> None:
     names = [f"storm-{i}" for i in range(JOBS)]

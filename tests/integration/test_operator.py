@@ -13,7 +13,7 @@ from kubernetes import client
 from kubernetes.client.rest import ApiException
 
 from tests.builders import example, ftj
-from tests.integration.conftest import MANUAL_RAY_JOBS, Kube, wait_for
+from tests.integration.conftest import Kube, wait_for
 from tests.integration.operator_fixtures import OperatorProcess, service_account_kubeconfig
 from tests.integration.support import (
     LEASE_NS,
@@ -25,10 +25,12 @@ from tests.integration.support import (
     get,
     job_token,
     kubectl,
+    metric,
     phase_is,
     rayclusters,
     rayjobs,
     status,
+    stays,
     worker_pods,
 )
 
@@ -50,6 +52,7 @@ def operator(operator_kubeconfig: Path, tmp_path_factory: pytest.TempPathFactory
 # ----------------------------------------------------------------------------------------------- tests
 
 
+@pytest.mark.usefixtures("ray_dashboard")
 def test_seed_example_runs_on_two_simulated_g6_nodes(kube: Kube, namespace: str, operator: OperatorProcess) -> None:
     create(kube, namespace, ftj("seed"))
     st = wait_for("status names recorded", lambda: status(kube, namespace, "seed").get("rayJobName"), timeout=30)
@@ -81,9 +84,9 @@ def test_seed_example_runs_on_two_simulated_g6_nodes(kube: Kube, namespace: str,
 
 def test_starting_until_the_ray_job_runs(kube: Kube, namespace: str, operator: OperatorProcess) -> None:
     """KubeRay says Running as soon as its submitter Job exists (the image may still be pulling, `ray job
-    submit` not run yet). The job says Provisioning, reason Starting, until Ray runs the job. This namespace
-    opts out of the dashboard stand-in (conftest.py): the test writes KubeRay's jobStatus itself, step by step."""
-    kube.core.patch_namespace(namespace, {"metadata": {"labels": MANUAL_RAY_JOBS}})
+    submit` not run yet). The job says Provisioning, reason Starting, until Ray runs the job. The test asks
+    for no dashboard stand-in (conftest.py's ray_dashboard): it writes KubeRay's jobStatus itself, step by
+    step -- two simulated steps (PENDING, RUNNING)."""
     create(kube, namespace, ftj("starting"))
 
     def deploy_running() -> Any:
@@ -112,6 +115,7 @@ def our_managed_fields(obj: dict[str, Any]) -> list[str]:
                   if e.get("manager") == "finetune-operator")
 
 
+@pytest.mark.usefixtures("ray_dashboard")
 def test_children_changed_outside_the_operator_are_reverted(kube: Kube, namespace: str, operator: OperatorProcess) -> None:
     """`kubectl edit` on the RayJob's spec is drift: the operator re-applies what the FinetuneJob says and
     posts a Warning Event DriftReverted naming the fields (issue 9). The RayJob was created by a POST: the
@@ -187,6 +191,7 @@ def test_a_rayjob_of_the_jobs_name_that_is_not_its_own_is_never_taken_over(kube:
     wait_for("the job's own RayJob once the name is free", ours, timeout=120)
 
 
+@pytest.mark.usefixtures("ray_dashboard")
 def test_three_workers_on_two_nodes_wait_then_proceed(kube: Kube, namespace: str, operator: OperatorProcess,
                                                        gpu_node: Any) -> None:
     create(kube, namespace, ftj("three", cluster__workers={"replicas": 3, "gpusPerWorker": 4},
@@ -213,12 +218,13 @@ def test_deadline_exceeded_maps_to_failed(kube: Kube, namespace: str, operator: 
     assert st["completionTime"]  # type: ignore[index]
 
 
+@pytest.mark.usefixtures("ray_dashboard")
 def test_rayjob_success_maps_to_succeeded(kube: Kube, namespace: str, operator: OperatorProcess) -> None:
     create(kube, namespace, ftj("done"))
     wait_for("Running", lambda: phase_is(kube, namespace, "done", "Running"), timeout=120)
-    # kwok pods run no Ray, so no Ray job can really finish here. We write the terminal status KubeRay
-    # writes when the job succeeds (jobStatus SUCCEEDED, jobDeploymentStatus Complete) to the RayJob's
-    # status subresource -- the one simulated step in this file.
+    # kwok pods run no Ray, so no Ray job can really run or finish here. Two simulated steps: the dashboard
+    # stand-in's jobStatus RUNNING (ray_dashboard), and now the terminal status KubeRay writes when the job
+    # succeeds (jobStatus SUCCEEDED, jobDeploymentStatus Complete), written to the RayJob's status subresource.
     now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     kube.custom.patch_namespaced_custom_object_status(
         "ray.io", "v1", namespace, "rayjobs", "done",
@@ -229,6 +235,7 @@ def test_rayjob_success_maps_to_succeeded(kube: Kube, namespace: str, operator: 
     assert condition(st, "Complete")["status"] == "True"  # type: ignore[index]
 
 
+@pytest.mark.usefixtures("ray_dashboard")
 def test_suspend_and_resume(kube: Kube, namespace: str, operator: OperatorProcess) -> None:
     create(kube, namespace, ftj("pause"))
     wait_for("Running", lambda: phase_is(kube, namespace, "pause", "Running"), timeout=120)
@@ -243,6 +250,7 @@ def test_suspend_and_resume(kube: Kube, namespace: str, operator: OperatorProces
     assert len(rayjobs(kube, namespace)) == 1
 
 
+@pytest.mark.usefixtures("ray_dashboard")
 def test_delete_leaves_nothing_behind(kube: Kube, namespace: str, operator: OperatorProcess) -> None:
     create(kube, namespace, ftj("gone"))
     wait_for("Running", lambda: phase_is(kube, namespace, "gone", "Running"), timeout=120)
@@ -280,6 +288,7 @@ def test_bad_spec_is_rejected_by_the_api_server(kube: Kube, namespace: str) -> N
     assert "globalBatchSize must be a multiple" in err.value.body
 
 
+@pytest.mark.usefixtures("ray_dashboard")
 def test_operator_killed_mid_reconcile_makes_no_duplicates(kube: Kube, namespace: str, operator: OperatorProcess,
                                                             operator_kubeconfig: Path, tmp_path: Path) -> None:
     operator.stop()
@@ -305,7 +314,11 @@ def test_operator_killed_mid_reconcile_makes_no_duplicates(kube: Kube, namespace
     assert len(rayclusters(kube, namespace)) == 1
     operator.kill()  # and once more, mid-flight with children present
     operator.start()
-    time.sleep(3)
+    # Evidence the restarted process reconciled this job (its own /metrics: set at the end of a reconcile,
+    # after the children were applied), before counting them: else the count proves nothing.
+    wait_for("the restarted operator reconciled the job", lambda: metric(
+        operator.metrics(), "finetune_job_phase", namespace=namespace, name="crash", phase="Running") == 1.0,
+        timeout=60)
     assert len(rayjobs(kube, namespace)) == 1 and len(rayclusters(kube, namespace)) == 1
 
 
@@ -380,12 +393,24 @@ def test_a_report_from_an_earlier_ray_cluster_is_refused(kube: Kube, namespace: 
 
 def test_standby_replica_does_not_act(kube: Kube, namespace: str, operator: OperatorProcess,
                                       operator_kubeconfig: Path, tmp_path: Path) -> None:
+    """A standby waits for the Lease and writes nothing, while the leader does the work of a job created
+    meanwhile. Its own /metrics count every write its API client made (mirrored at each scrape), and its
+    Lease reads show the counters are live."""
     standby = OperatorProcess(operator_kubeconfig, tmp_path, identity="op-b", lease_namespace=LEASE_NS)
     try:
         standby.start(wait_ready=False)
-        time.sleep(5)
-        assert standby.proc is not None and standby.proc.poll() is None
-        assert standby.readyz() == 503  # waiting for the Lease
+        wait_for("the standby's Lease reads", lambda: standby.readyz() == 503 and metric(
+            standby.metrics(), "finetune_api_reads_total", resource="leases") >= 1, timeout=30)
+        create(kube, namespace, ftj("watched"))  # work the standby sees too, and must leave to the leader
+        wait_for("the leader created and recorded the RayJob", lambda: status(kube, namespace, "watched").get("rayJobUID"),
+                 timeout=60)
+
+        def standby_idle() -> bool:
+            text = standby.metrics()
+            return (standby.proc is not None and standby.proc.poll() is None and standby.readyz() == 503
+                    and metric(text, "finetune_api_writes_total") == 0 and metric(text, "finetune_reconcile_total") == 0)
+        stays("the standby writes nothing and reconciles nothing", standby_idle, seconds=5)
+        assert metric(operator.metrics(), "finetune_api_writes_total") > 0  # the leader's counter does count
         holder = client.CoordinationV1Api(kube.api_client).read_namespaced_lease("finetune-operator-leader", LEASE_NS)
         assert holder.spec.holder_identity == operator.identity
     finally:
@@ -555,15 +580,27 @@ def test_runtime_config_map_is_shared_immutable_and_collected_with_its_last_job(
     wait_for("runtime ConfigMaps collected with their last job", lambda: names() == set(), timeout=120)
 
 
+# The module's operator runs with the runner's default --lease-duration (30 s): it renews every third of it,
+# and a leader whose renewals keep failing gives up leadership once the renew deadline has passed since its
+# last renewal (controller/leader.py, LeaderElector.hold).
+LEASE_SECONDS = 30
+RENEW_PERIOD = LEASE_SECONDS / 3
+RENEW_DEADLINE = LEASE_SECONDS - RENEW_PERIOD
+
+
 def test_forged_token_flood_costs_no_leadership_and_no_genuine_report(kube: Kube, namespace: str,
                                                                       operator: OperatorProcess) -> None:
     """Scaled down from benchmarks/bench_progress_flood.py (1000/s for 30 s with 20 jobs): forged tokens
-    that look plausible (JWT, a real job's audience, not expired) at 300/s for 8 s while 3 jobs report
-    every second. Every genuine report is accepted, no forged one is, TokenReviews stay within the rate
-    limit, and the leader keeps renewing its Lease."""
+    that look plausible (JWT, a real job's audience, not expired) at 300/s while 3 jobs report every second,
+    for longer than the renew deadline (a flood that starved the renewals would cost the leadership within
+    it). Every genuine report is accepted, no forged one is, TokenReviews stay within the rate limit, and
+    the leader renews its Lease through the flood: no two renewals (nor the last one and the flood's end)
+    further apart than the renew deadline, and the same holder throughout."""
     import asyncio
+    import itertools
     import re
     import threading
+    from datetime import UTC, datetime
 
     from tests.integration.flood import flood, lease_sampler
 
@@ -587,10 +624,13 @@ def test_forged_token_flood_costs_no_leadership_and_no_genuine_report(kube: Kube
     before = reviews()
     sampler.start()
     try:
-        result = asyncio.run(flood(operator.url, jobs, forged_per_second=300, seconds=8, report_interval=1.0))
+        result = asyncio.run(flood(operator.url, jobs, forged_per_second=300, seconds=RENEW_DEADLINE + 4,
+                                   report_interval=1.0))
+        flood_end = datetime.now(UTC)
     finally:
         stop.set()
         sampler.join()
+    assert result.seconds > RENEW_DEADLINE, result.seconds  # the flood outlasted the renew deadline
     assert result.genuine[202] == result.genuine_sent, result.genuine
     assert result.forged[202] == 0 and set(result.forged) <= {401, 429}, result.forged
     assert result.forged_sent >= 1000, result.forged_sent  # the flood really happened
@@ -599,8 +639,11 @@ def test_forged_token_flood_costs_no_leadership_and_no_genuine_report(kube: Kube
     assert made <= 100 + 50 * result.seconds + len(jobs) * 2, (made, result.forged)
     assert {holder for _, holder, _ in samples} == {operator.identity}
     assert operator.proc is not None and operator.proc.poll() is None and operator.readyz() == 200
-    renewals = {renew for _, _, renew in samples}
-    assert len(renewals) >= 1 + int(result.seconds // 10), samples  # renewed every 10 s during the flood
+    assert metric(operator.metrics(), "finetune_operator_leader") == 1.0
+    renewals = sorted({datetime.fromisoformat(renew) for _, _, renew in samples})
+    gaps = [(b - a).total_seconds() for a, b in itertools.pairwise([*renewals, flood_end])]
+    assert len(renewals) >= int(result.seconds // RENEW_PERIOD), renewals  # renewed during the flood
+    assert max(gaps) < RENEW_DEADLINE, (gaps, renewals)  # never left to lapse towards losing the lead
     for ns, n, _ in jobs:
         step = result.last_step[f"{ns}/{n}"]
         wait_for(f"{n}'s last genuine step in status", lambda n=n, step=step:
