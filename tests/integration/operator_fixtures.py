@@ -153,10 +153,6 @@ def service_account_kubeconfig(admin: Path, out: Path) -> Path:
     return token_kubeconfig(admin, out, token, "finetune-operator")
 
 
-def example(name: str) -> dict[str, Any]:
-    return yaml.safe_load((ROOT / "examples" / name).read_text())  # type: ignore[no-any-return]
-
-
 def pod_token(core: Any, namespace: str, pod: Any, audience: str, seconds: int = 600) -> str:
     """A service-account token bound to ``pod`` for ``audience``: what the kubelet projects into a Ray pod
     for the progress channel (minted here through TokenRequest, as kwok runs no kubelet)."""
