@@ -70,7 +70,7 @@ def kubectl(kube: Kube, *args: str) -> str:
     return out.stdout
 
 
-def metric(text: str, name: str, **labels: str) -> float:
+def metric(text: str, name: str, /, **labels: str) -> float:
     """The sum of the samples of ``name`` in a /metrics text whose labels include ``labels`` (0.0: none)."""
     from prometheus_client.parser import text_string_to_metric_families
 

@@ -585,14 +585,15 @@ def test_the_service_routes_progress_to_the_leader_only(kube: Kube, operator: Op
         b.start(wait_ready=False)
         wait_for("Service endpoints = the leader's pod", lambda: endpoints() == {pod_a.status.pod_ip}, timeout=60)
         assert "finetune.dev/operator-leader" not in (kube.core.read_namespaced_pod(pod_b.metadata.name, ns).metadata.labels or {})
-        assert b.readyz() == 503 and metric(b.metrics(), "finetune_operator_leader") == 0.0  # B would say so
+        wait_for("B up, as a standby", lambda: b.readyz() == 503, timeout=60)
+        assert metric(b.metrics(), "finetune_operator_leader") == 0.0  # what B would answer through the Service
         for _ in range(5):  # every request through the Service reaches the leader
             assert leader_answers()
         a.kill()  # the leader dies; its pod object (and label) stays, as when only the container restarts
         b.wait_ready(timeout=90)
         a.start(wait_ready=False)  # the container restarts: as a standby it drops its stale label
         wait_for("Service endpoints = the new leader's pod", lambda: endpoints() == {pod_b.status.pod_ip}, timeout=60)
-        assert a.readyz() == 503
+        wait_for("A up again, as a standby", lambda: a.readyz() == 503, timeout=60)
         for _ in range(5):
             assert leader_answers()  # B now: A's /metrics say 0 and its /readyz 503
     finally:
