@@ -695,7 +695,7 @@ def test_a_reconcile_error_is_a_condition_until_it_is_fixed(kube: Kube, namespac
     rbac.create_namespaced_role_binding(LEASE_NS, client.V1RoleBinding(
         metadata=client.V1ObjectMeta(name=sa), subjects=subject,
         role_ref=client.V1RoleRef(api_group="rbac.authorization.k8s.io", kind="Role", name="finetune-operator-leader")))
-    token = kube.core.create_namespaced_service_accountjob_token(
+    token = kube.core.create_namespaced_service_account_token(
         sa, LEASE_NS, client.AuthenticationV1TokenRequest(spec=client.V1TokenRequestSpec(audiences=[],
                                                                                         expiration_seconds=3600))).status.token
     cfg = yaml.safe_load(Path(control_plane.kubeconfig).read_text())
