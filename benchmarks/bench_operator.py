@@ -47,8 +47,9 @@ sys.path.insert(0, str(ROOT))
 from finetune_devcluster import DevCluster
 from kubernetes import client, config, watch
 
+from tests.builders import example
 from tests.integration.conftest import RayDashboardStandIn
-from tests.integration.operator_fixtures import OperatorProcess, example, pod_token, service_account_kubeconfig
+from tests.integration.operator_fixtures import OperatorProcess, pod_token, service_account_kubeconfig
 
 OPERATOR_USER = "system:serviceaccount:finetune-system:finetune-operator"
 AUDIT_POLICY = f"""apiVersion: audit.k8s.io/v1

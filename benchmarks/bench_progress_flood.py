@@ -27,8 +27,9 @@ sys.path.insert(0, str(ROOT))
 from finetune_devcluster import DevCluster
 from kubernetes import client, config
 
+from tests.builders import example
 from tests.integration.flood import flood, lease_sampler
-from tests.integration.operator_fixtures import OperatorProcess, example, pod_token, service_account_kubeconfig
+from tests.integration.operator_fixtures import OperatorProcess, pod_token, service_account_kubeconfig
 
 LEASE_NS = "finetune-system"
 

@@ -1,9 +1,27 @@
-"""Small builders for FinetuneJob documents (Kueue's MakeJob(...).Obj() pattern)."""
+"""The FinetuneJob builder for every test, unit and integration (Kueue's MakeJob(...).Obj() pattern).
+
+- ``JobDoc(name)``: a small valid job (no example file), for unit tests;
+  ``JobDoc.example(name, "qwen2.5-1.5b-g6-efa.yaml")``: a shipped example, renamed.
+- ``.set("spec.cluster.workers.replicas", 3)`` / ``.spec(cluster__workers={...})`` / ``.drop(path)``, then ``.obj()``.
+- ``ftj(name, source=SEED, **spec)``: ``JobDoc.example(name, source).spec(**spec).obj()``, the integration
+  tests' shorthand.
+"""
 
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 from typing import Any
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+SEED = "qwen2.5-1.5b-g6-efa.yaml"
+
+
+def example(name: str) -> dict[str, Any]:
+    """examples/<name>, parsed."""
+    return yaml.safe_load((ROOT / "examples" / name).read_text())  # type: ignore[no-any-return]
 
 
 class JobDoc:
@@ -19,6 +37,13 @@ class JobDoc:
             },
         }
 
+    @classmethod
+    def example(cls, name: str, source: str = SEED) -> JobDoc:
+        """The shipped example ``examples/<source>``, named ``name`` (its other metadata dropped)."""
+        built = cls(name)
+        built.doc = {**example(source), "metadata": {"name": name}}
+        return built
+
     def set(self, path: str, value: Any) -> JobDoc:
         """set("spec.cluster.workers.replicas", 3); creates intermediate mappings."""
         node = self.doc
@@ -26,6 +51,12 @@ class JobDoc:
         for part in parents:
             node = node.setdefault(part, {})
         node[leaf] = value
+        return self
+
+    def spec(self, **sets: Any) -> JobDoc:
+        """spec(cluster__workers={"replicas": 3}, training__globalBatchSize=96): ``__`` separates levels."""
+        for path, value in sets.items():
+            self.set("spec." + path.replace("__", "."), value)
         return self
 
     def drop(self, path: str) -> JobDoc:
@@ -38,6 +69,11 @@ class JobDoc:
 
     def obj(self) -> dict[str, Any]:
         return copy.deepcopy(self.doc)
+
+
+def ftj(name: str, source: str = SEED, **spec: Any) -> dict[str, Any]:
+    """A FinetuneJob from ``examples/<source>`` named ``name``, with ``spec`` overrides (``a__b=value``)."""
+    return JobDoc.example(name, source).spec(**spec).obj()
 
 
 class StatusDoc:

@@ -20,6 +20,8 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from .api import failpoints
+
 log = logging.getLogger("finetune.operator")
 
 
@@ -254,4 +256,9 @@ def main(args: argparse.Namespace) -> int:
         stream=sys.stderr,
     )
     logging.getLogger("kopf").setLevel(logging.WARNING)
+    try:
+        failpoints.arm_from_env()  # armed: one WARNING now; a bad value stops the start here, in one line
+    except failpoints.FailpointSpecError as err:
+        log.error("%s", err)
+        return 2
     return asyncio.run(run(args))

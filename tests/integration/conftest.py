@@ -8,6 +8,8 @@
 - ``kube`` (session): kubernetes Python clients bound to its admin kubeconfig.
 - ``namespace`` (function): a fresh namespace (with its ``default`` ServiceAccount), deleted afterwards.
 - ``gpu_node`` (function): ``gpu_node()`` adds a simulated GPU node, removed after the test.
+- ``ray_dashboard`` (function, opt-in): the Ray dashboard stand-in for the test's namespace (kwok pods run
+  no Ray; see RayDashboardStandIn). Without it a RayJob on kwok stays Starting, as it would for real.
 
 Missing binaries are built once before the first test runs (outside any test timeout); CI builds them
 beforehand with ``scripts/build-control-plane``. ``FINETUNE_DEVCLUSTER_KEEP=1`` leaves the cluster
@@ -110,47 +112,38 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
         terminalreporter.write_line(f"dev cluster component logs: {_CLUSTER.logs_dir}")
 
 
-# A namespace with this label keeps its Ray jobs as KubeRay leaves them on kwok (see RayDashboardStandIn).
-MANUAL_RAY_JOBS = {"test.finetune.dev/ray-jobs": "manual"}
-
-
 class RayDashboardStandIn:
-    """What the Ray dashboard would tell KubeRay, on kwok's ghost pods. KubeRay reports a RayJob's
-    deployment status Running as soon as its submitter Job exists, and learns the Ray job's own status
-    (`jobStatus`: PENDING, RUNNING, ...) from the head's dashboard, which kwok pods do not run: the operator
-    (rightly) calls such a job Provisioning/Starting, not Running. This thread plays the dashboard's answer
-    once the submitter exists: it writes `jobStatus: RUNNING` on every RayJob whose deployment status is
-    Running and whose job status is still unknown -- a merge patch that carries the resourceVersion it read,
-    so it never overwrites a status written meanwhile (by KubeRay, or by a test that simulates the end of a
-    job). Namespaces labelled MANUAL_RAY_JOBS are left alone (the tests of the starting state). The one
-    simulated component of these tests besides kwok itself; the real node's tests run real Ray."""
+    """What the Ray dashboard would tell KubeRay, on kwok's ghost pods -- a simulated step, and opt-in: a
+    test that needs its Ray job to run asks for the ``ray_dashboard`` fixture (KubeRay's own tests likewise
+    opt in to their fake dashboard client). KubeRay reports a RayJob's deployment status Running as soon as
+    its submitter Job exists, and learns the Ray job's own status (`jobStatus`: PENDING, RUNNING, ...) from
+    the head's dashboard, which kwok pods do not run: the operator (rightly) calls such a job
+    Provisioning/Starting, not Running. This thread plays the dashboard's answer once the submitter exists:
+    it writes `jobStatus: RUNNING` on every RayJob of its namespace (all namespaces when None: the
+    benchmark) whose deployment status is Running and whose job status is still unknown -- a merge patch
+    that carries the resourceVersion it read, so it never overwrites a status written meanwhile (by KubeRay,
+    or by a test that simulates the end of a job). ``answered`` counts the RayJobs it wrote to. The real
+    node's tests run real Ray and use no stand-in."""
 
-    def __init__(self, kubeconfig: Path):
+    def __init__(self, kubeconfig: Path, namespace: str | None = None):
         api = config.new_client_from_config(config_file=str(kubeconfig))
         self.custom = client.CustomObjectsApi(api)
-        self.core = client.CoreV1Api(api)
+        self.namespace = namespace
+        self.answered: set[tuple[str, str]] = set()
         self.stop = threading.Event()
         self.watch: watch.Watch | None = None
         self.thread = threading.Thread(target=self._run, name="ray-dashboard-stand-in", daemon=True)
-
-    def _manual(self, namespace: str) -> bool:
-        try:
-            labels = self.core.read_namespace(namespace).metadata.labels or {}
-        except ApiException:
-            return True
-        return all(labels.get(k) == v for k, v in MANUAL_RAY_JOBS.items())
 
     def _answer(self, rj: dict[str, object]) -> None:
         st, meta = rj.get("status") or {}, rj["metadata"]
         assert isinstance(st, dict) and isinstance(meta, dict)
         if st.get("jobDeploymentStatus") != "Running" or st.get("jobStatus") or meta.get("deletionTimestamp"):
             return
-        if self._manual(meta["namespace"]):
-            return
         try:
             self.custom.patch_namespaced_custom_object_status(
                 "ray.io", "v1", meta["namespace"], "rayjobs", meta["name"],
                 {"metadata": {"resourceVersion": meta["resourceVersion"]}, "status": {"jobStatus": "RUNNING"}})
+            self.answered.add((meta["namespace"], meta["name"]))
         except ApiException:  # 409: changed since (its event follows); 404: gone
             pass
 
@@ -159,9 +152,12 @@ class RayDashboardStandIn:
         # the fault tests' API server restarts), so a thousand RayJobs cost nothing while nothing changes.
         while not self.stop.is_set():
             self.watch = watch.Watch()
+            if self.namespace is None:
+                args: tuple[object, ...] = (self.custom.list_cluster_custom_object, "ray.io", "v1", "rayjobs")
+            else:
+                args = (self.custom.list_namespaced_custom_object, "ray.io", "v1", self.namespace, "rayjobs")
             try:
-                for ev in self.watch.stream(self.custom.list_cluster_custom_object, "ray.io", "v1", "rayjobs",
-                                            timeout_seconds=60):
+                for ev in self.watch.stream(*args, timeout_seconds=60):
                     if self.stop.is_set():
                         break
                     if ev["type"] in ("ADDED", "MODIFIED"):
@@ -188,8 +184,7 @@ def control_plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DevClust
     _CLUSTER = cluster
     try:
         cluster.up()
-        with RayDashboardStandIn(Path(cluster.kubeconfig)):
-            yield cluster
+        yield cluster
     finally:
         if not keep:
             cluster.down()
@@ -244,6 +239,14 @@ def namespace(kube: Kube, request: pytest.FixtureRequest) -> Iterator[str]:
 
     # Wait, so pods of this test release node capacity before the next test schedules.
     wait_for(f"namespace {name} deleted", gone, timeout=90)
+
+
+@pytest.fixture
+def ray_dashboard(control_plane: DevCluster, namespace: str) -> Iterator[RayDashboardStandIn]:
+    """Opt in to the Ray dashboard stand-in (a simulated step) for the test's namespace: its RayJobs get
+    `jobStatus: RUNNING` once KubeRay has created their submitter, so the job can reach Running on kwok."""
+    with RayDashboardStandIn(Path(control_plane.kubeconfig), namespace) as stand_in:
+        yield stand_in
 
 
 @pytest.fixture

@@ -28,12 +28,14 @@ class OperatorProcess:
     """One `finetune operator` process; `start()`/`kill()` can be called repeatedly."""
 
     def __init__(self, kubeconfig: Path, logdir: Path, identity: str = "op-a", lease_namespace: str = "default",
-                 extra_env: dict[str, str] | None = None, extra_args: list[str] | None = None):
+                 extra_env: dict[str, str] | None = None, extra_args: list[str] | None = None,
+                 host: str = "127.0.0.1", port: int | None = None):
         self.kubeconfig = kubeconfig
         self.logdir = logdir
         self.identity = identity
         self.lease_namespace = lease_namespace
-        self.port = free_port()
+        self.host = host  # the address it listens on (a pod's IP added to lo: reached through a Service)
+        self.port = port or free_port()
         self.extra_env = extra_env or {}
         self.extra_args = extra_args or []  # later flags override the defaults above (argparse: last wins)
         self.proc: subprocess.Popen[bytes] | None = None
@@ -41,14 +43,14 @@ class OperatorProcess:
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.host}:{self.port}"
 
     def start(self, wait_ready: bool = True, env: dict[str, str] | None = None) -> OperatorProcess:
         self.starts += 1
         log = open(self.logdir / f"operator-{self.identity}-{self.starts}.log", "wb")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "finetune_operator.cli", "operator",
-             "--kubeconfig", str(self.kubeconfig), "--listen", "127.0.0.1", "--port", str(self.port),
+             "--kubeconfig", str(self.kubeconfig), "--listen", self.host, "--port", str(self.port),
              "--progress-url", self.url, "--flush-interval", "1", "--resync-interval", "15",
              "--lease-namespace", self.lease_namespace, "--identity", self.identity, "--log-level", "INFO",
              *self.extra_args],
@@ -149,10 +151,6 @@ def service_account_kubeconfig(admin: Path, out: Path) -> Path:
     install_deploy(admin)
     token = _kubectl(admin, "create", "token", "finetune-operator", "-n", "finetune-system", "--duration=6h").strip()
     return token_kubeconfig(admin, out, token, "finetune-operator")
-
-
-def example(name: str) -> dict[str, Any]:
-    return yaml.safe_load((ROOT / "examples" / name).read_text())  # type: ignore[no-any-return]
 
 
 def pod_token(core: Any, namespace: str, pod: Any, audience: str, seconds: int = 600) -> str:

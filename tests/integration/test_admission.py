@@ -4,11 +4,10 @@ the operator's ServiceAccount is used through a token, as in-cluster."""
 
 from __future__ import annotations
 
-import copy
 import json
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -17,11 +16,10 @@ import yaml
 from kubernetes import client, config
 from kubernetes.client.rest import ApiException
 
+from tests.builders import ftj
 from tests.integration.conftest import Kube
 from tests.integration.operator_fixtures import ROOT, install_deploy, service_account_kubeconfig, token_kubeconfig
-
-G, V, P = "finetune.dev", "v1alpha1", "finetunejobs"
-SEED = yaml.safe_load((ROOT / "examples" / "qwen2.5-1.5b-g6-efa.yaml").read_text())
+from tests.integration.support import G, P, V, denial, dry_create
 
 
 @pytest.fixture(scope="module")
@@ -35,43 +33,11 @@ def operator_sa(control_plane: Any, deployed: None, tmp_path_factory: pytest.Tem
     return config.new_client_from_config(config_file=str(path))
 
 
-def job(name: str, **sets: Any) -> dict[str, Any]:
-    doc = copy.deepcopy(SEED)
-    doc["metadata"] = {"name": name}
-    for path, value in sets.items():
-        node = doc["spec"]
-        *parents, leaf = path.split("__")
-        for part in parents:
-            node = node.setdefault(part, {})
-        node[leaf] = value
-    return doc
-
-
-def denial(call: Callable[[], object], timeout: float = 30) -> ApiException:
-    """The API server's rejection of `call`. Policies and their parameters reach the admission plugin
-    through informers, so a freshly applied policy may take a moment: retry until denied."""
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            call()
-        except ApiException as err:
-            if err.status in (403, 422):
-                return err
-            raise
-        if time.monotonic() > deadline:
-            pytest.fail("the API server accepted it")
-        time.sleep(0.5)
-
-
-def dry_create(kube: Kube, ns: str, doc: dict[str, Any]) -> Callable[[], object]:
-    return lambda: kube.custom.create_namespaced_custom_object(G, V, ns, P, doc, dry_run="All")
-
-
 def test_name_must_be_a_dns1035_label(kube: Kube, namespace: str, deployed: None) -> None:
-    err = denial(dry_create(kube, namespace, job("qwen2.5-ft")))
+    err = denial(dry_create(kube, namespace, ftj("qwen2.5-ft")))
     assert err.status == 422
     assert "metadata.name: must be a DNS-1035 label" in err.body, err.body
-    kube.custom.create_namespaced_custom_object(G, V, namespace, P, job("qwen25-ft"), dry_run="All")
+    kube.custom.create_namespaced_custom_object(G, V, namespace, P, ftj("qwen25-ft"), dry_run="All")
 
 
 FIT = [
@@ -92,14 +58,14 @@ FIT = [
 @pytest.mark.parametrize(("sets", "message"), [f[1:] for f in FIT], ids=[f[0] for f in FIT])
 def test_instance_fit_is_enforced_at_admission(kube: Kube, namespace: str, deployed: None, sets: dict[str, Any],
                                                message: str) -> None:
-    err = denial(dry_create(kube, namespace, job("fit", **sets)))
+    err = denial(dry_create(kube, namespace, ftj("fit", **sets)))
     assert err.status == 422, err.body
     assert "ValidatingAdmissionPolicy 'finetune-instance-fit'" in err.body, err.body
     assert message in err.body, err.body
 
 
 def test_unknown_type_passes_until_a_configmap_describes_it(kube: Kube, namespace: str, deployed: None) -> None:
-    big = job("g6e", cluster__instanceType="g6e.12xlarge", cluster__workers={"replicas": 2, "gpusPerWorker": 8},
+    big = ftj("g6e", cluster__instanceType="g6e.12xlarge", cluster__workers={"replicas": 2, "gpusPerWorker": 8},
               training__globalBatchSize=64)
     # No ConfigMap knows g6e.12xlarge: not a dead end at admission (the operator takes node figures).
     kube.custom.create_namespaced_custom_object(G, V, namespace, P, big, dry_run="All")
@@ -112,7 +78,7 @@ def test_unknown_type_passes_until_a_configmap_describes_it(kube: Kube, namespac
     try:
         err = denial(dry_create(kube, namespace, big))
         assert "8 GPUs per worker do not fit g6e.12xlarge (4 GPUs per node)" in err.body, err.body
-        ok = job("g6e", cluster__instanceType="g6e.12xlarge")
+        ok = ftj("g6e", cluster__instanceType="g6e.12xlarge")
         kube.custom.create_namespaced_custom_object(G, V, namespace, P, ok, dry_run="All")
     finally:
         kube.core.delete_namespaced_config_map(extra.metadata.name, "finetune-system")
@@ -130,7 +96,7 @@ ALLOW = [
 @pytest.mark.parametrize(("sets", "message"), [a[1:] for a in ALLOW], ids=[a[0] for a in ALLOW])
 def test_allow_list_is_enforced_at_admission(kube: Kube, namespace: str, deployed: None, sets: dict[str, Any],
                                              message: str) -> None:
-    err = denial(dry_create(kube, namespace, job("allow", **sets)))
+    err = denial(dry_create(kube, namespace, ftj("allow", **sets)))
     assert err.status == 403, err.body
     assert "ValidatingAdmissionPolicy 'finetune-allowed-images'" in err.body and message in err.body, err.body
 

@@ -275,7 +275,7 @@ def operation(app: dict[str, Any]) -> dict[str, Any]:
     return ((app.get("status") or {}).get("operationState")) or {}
 
 
-def ftj(kube: Kube, ns: str, name: str) -> dict[str, Any] | None:
+def live_ftj(kube: Kube, ns: str, name: str) -> dict[str, Any] | None:
     try:
         return kube.custom.get_namespaced_custom_object(G, V, ns, P, name)  # type: ignore[no-any-return]
     except ApiException as e:
@@ -285,7 +285,7 @@ def ftj(kube: Kube, ns: str, name: str) -> dict[str, Any] | None:
 
 
 def phase(kube: Kube, ns: str, name: str) -> str | None:
-    obj = ftj(kube, ns, name)
+    obj = live_ftj(kube, ns, name)
     return ((obj or {}).get("status") or {}).get("phase")
 
 
@@ -298,8 +298,9 @@ def rayclusters(kube: Kube, ns: str) -> list[dict[str, Any]]:
 
 
 def finish_rayjob(kube: Kube, ns: str, name: str, succeeded: bool) -> None:
-    """The one simulated step: kwok pods run no Ray, so we write the terminal status KubeRay writes
-    when the Ray job ends (as tests/integration/test_operator.py does)."""
+    """A simulated step (the second, after the dashboard stand-in's jobStatus RUNNING that the tests asking
+    for ray_dashboard get): kwok pods run no Ray, so we write the terminal status KubeRay writes when the
+    Ray job ends (as tests/integration/support.py's complete_rayjob does)."""
     now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     status = ({"jobStatus": "SUCCEEDED", "jobDeploymentStatus": "Complete", "endTime": now} if succeeded else
               {"jobStatus": "FAILED", "jobDeploymentStatus": "Failed", "reason": "AppFailed",
@@ -330,6 +331,7 @@ def small_job(name: str) -> dict[str, Any]:
 # ---------------------------------------------------------------------------------------------- tests
 
 
+@pytest.mark.usefixtures("ray_dashboard")
 def test_train_then_serve_waits_for_training(kube: Kube, namespace: str, argocd: ArgoCD, operator: OperatorProcess,
                                             repo: GitRepo) -> None:
     """The train-then-serve example: wave 1 (serving) is applied only once the FinetuneJob is Healthy."""
@@ -366,7 +368,7 @@ def test_train_then_serve_waits_for_training(kube: Kube, namespace: str, argocd:
         r = app_resource(a, "FinetuneJob")  # type: ignore[arg-type]
         assert r and (r["health"]["status"], r["health"].get("message")) == ("Healthy", "fine-tuning succeeded"), r
         created = kube.apps.read_namespaced_deployment(serve, namespace).metadata.creation_timestamp
-        done = datetime.fromisoformat((ftj(kube, namespace, job) or {})["status"]["completionTime"].replace("Z", "+00:00"))
+        done = datetime.fromisoformat((live_ftj(kube, namespace, job) or {})["status"]["completionTime"].replace("Z", "+00:00"))
         assert created >= done, (created, done)
         # Only what is in git is the Application's; the operator's and KubeRay's children are not.
         kinds = sorted((r["kind"], r["name"]) for r in a["status"]["resources"])  # type: ignore[index]
@@ -375,6 +377,7 @@ def test_train_then_serve_waits_for_training(kube: Kube, namespace: str, argocd:
         delete_app(kube, name)
 
 
+@pytest.mark.usefixtures("ray_dashboard")
 def test_failed_job_is_degraded_and_wave_1_never_runs(kube: Kube, namespace: str, argocd: ArgoCD,
                                                        operator: OperatorProcess, repo: GitRepo) -> None:
     example = EXAMPLES / "train-then-serve"
@@ -397,6 +400,7 @@ def test_failed_job_is_degraded_and_wave_1_never_runs(kube: Kube, namespace: str
         delete_app(kube, name)
 
 
+@pytest.mark.usefixtures("ray_dashboard")
 def test_changing_a_job_in_git(kube: Kube, namespace: str, argocd: ArgoCD, operator: OperatorProcess,
                                repo: GitRepo) -> None:
     """Mutable edits sync without disturbing the run; an immutable edit fails the sync (after Argo CD's
@@ -414,7 +418,7 @@ def test_changing_a_job_in_git(kube: Kube, namespace: str, argocd: ArgoCD, opera
         wait_for("job Running", lambda: phase(kube, namespace, job) == "Running", timeout=180)
         wait_for("Synced", lambda: sync_status(get_app(kube, name)) == "Synced", timeout=60)
         (rj,) = rayjobs(kube, namespace)
-        uid, rj_uid = ftj(kube, namespace, job)["metadata"]["uid"], rj["metadata"]["uid"]  # type: ignore[index]
+        uid, rj_uid = live_ftj(kube, namespace, job)["metadata"]["uid"], rj["metadata"]["uid"]  # type: ignore[index]
 
         # A mutable field: synced, the run goes on.
         doc["spec"]["activeDeadlineSeconds"] = 86400
@@ -423,7 +427,7 @@ def test_changing_a_job_in_git(kube: Kube, namespace: str, argocd: ArgoCD, opera
         refresh(kube, name)
         wait_for("mutable edit synced", lambda: (a := get_app(kube, name)) and operation(a).get("syncResult", {}).get(
             "revision") == rev and operation(a).get("phase") == "Succeeded" and sync_status(a) == "Synced", timeout=120)
-        assert (ftj(kube, namespace, job) or {})["spec"]["activeDeadlineSeconds"] == 86400
+        assert (live_ftj(kube, namespace, job) or {})["spec"]["activeDeadlineSeconds"] == 86400
         (rj,) = rayjobs(kube, namespace)
         assert rj["metadata"]["uid"] == rj_uid and phase(kube, namespace, job) == "Running"
 
@@ -449,7 +453,7 @@ def test_changing_a_job_in_git(kube: Kube, namespace: str, argocd: ArgoCD, opera
             c["type"] == "SyncError" and f"Failed last sync attempt to [{rev}]" in c["message"]
             and "spec.model is immutable" in c["message"] for c in a["status"].get("conditions") or []) and a, timeout=90)
         assert sync_status(a) == "OutOfSync" and operation(a)["phase"] == "Failed", a["status"]  # type: ignore[arg-type,index]
-        live = ftj(kube, namespace, job) or {}
+        live = live_ftj(kube, namespace, job) or {}
         assert live["metadata"]["uid"] == uid and live["spec"]["model"]["source"] == "Qwen/Qwen2.5-1.5B"
         (rj,) = rayjobs(kube, namespace)
         assert rj["metadata"]["uid"] == rj_uid and phase(kube, namespace, job) == "Running"
@@ -469,11 +473,11 @@ def test_changing_a_job_in_git(kube: Kube, namespace: str, argocd: ArgoCD, opera
             return result
 
         sync_job(kube, name, job, rev)
-        wait_for("re-created", lambda: note((o := ftj(kube, namespace, job)) and o["metadata"]["uid"] != uid),
+        wait_for("re-created", lambda: note((o := live_ftj(kube, namespace, job)) and o["metadata"]["uid"] != uid),
                  timeout=120)
         wait_for("new run Running", lambda: note(phase(kube, namespace, job) == "Running" and len(rayjobs(kube, namespace)) == 1
                  and rayjobs(kube, namespace)[0]["metadata"]["uid"] != rj_uid), timeout=240)
-        live = ftj(kube, namespace, job) or {}
+        live = live_ftj(kube, namespace, job) or {}
         assert live["spec"]["model"]["source"] == "Qwen/Qwen2.5-7B"
         replaced = f'finetunejob.finetune.dev "{job}" deleted from {namespace} namespace\nfinetunejob.finetune.dev/{job} replaced'
         try:
@@ -488,7 +492,7 @@ def test_changing_a_job_in_git(kube: Kube, namespace: str, argocd: ArgoCD, opera
         for messages in finished.values():  # the replace, and at most a plain re-apply of the same spec
             assert messages in ([replaced], [f"finetunejob.finetune.dev/{job} configured"]) or (
                 len(messages) == 1 and messages[0].startswith(f"finetunejob.finetune.dev/{job} configured.")), finished
-        assert ftj(kube, namespace, job)["metadata"]["uid"] == live["metadata"]["uid"]  # type: ignore[index]
+        assert live_ftj(kube, namespace, job)["metadata"]["uid"] == live["metadata"]["uid"]  # type: ignore[index]
 
         # Nothing of the re-run lingers: the next edit in git syncs as any mutable edit does.
         uid, (rj,) = live["metadata"]["uid"], rayjobs(kube, namespace)
@@ -498,13 +502,14 @@ def test_changing_a_job_in_git(kube: Kube, namespace: str, argocd: ArgoCD, opera
         refresh(kube, name)
         wait_for("mutable edit synced", lambda: (a := get_app(kube, name)) and operation(a).get("syncResult", {}).get(
             "revision") == rev and operation(a).get("phase") == "Succeeded" and sync_status(a) == "Synced", timeout=120)
-        live = ftj(kube, namespace, job) or {}
+        live = live_ftj(kube, namespace, job) or {}
         assert live["metadata"]["uid"] == uid and live["spec"]["activeDeadlineSeconds"] == 7200
         assert [r["metadata"]["uid"] for r in rayjobs(kube, namespace)] == [rj["metadata"]["uid"]]
     finally:
         delete_app(kube, name)
 
 
+@pytest.mark.usefixtures("ray_dashboard")
 def test_server_side_apply_fails_the_comparison_instead(kube: Kube, namespace: str, argocd: ArgoCD,
                                                         operator: OperatorProcess, repo: GitRepo) -> None:
     """Why the job examples use client-side apply (docs/gitops.md): with ServerSideApply=true Argo CD
@@ -521,7 +526,7 @@ def test_server_side_apply_fails_the_comparison_instead(kube: Kube, namespace: s
     try:
         wait_for("job Running", lambda: phase(kube, namespace, job) == "Running", timeout=180)
         wait_for("Synced", lambda: sync_status(get_app(kube, name)) == "Synced", timeout=60)
-        uid = (ftj(kube, namespace, job) or {})["metadata"]["uid"]
+        uid = (live_ftj(kube, namespace, job) or {})["metadata"]["uid"]
         synced_rev = operation(get_app(kube, name))["syncResult"]["revision"]
 
         doc["spec"]["model"]["source"] = "Qwen/Qwen2.5-7B"
@@ -535,11 +540,12 @@ def test_server_side_apply_fails_the_comparison_instead(kube: Kube, namespace: s
         a = get_app(kube, name)
         assert sync_status(a) == "Unknown", a["status"]["sync"]
         assert operation(a)["syncResult"]["revision"] == synced_rev, operation(a)  # no sync of `rev` was attempted
-        assert (ftj(kube, namespace, job) or {})["metadata"]["uid"] == uid
+        assert (live_ftj(kube, namespace, job) or {})["metadata"]["uid"] == uid
     finally:
         delete_app(kube, name)
 
 
+@pytest.mark.usefixtures("ray_dashboard")
 def test_children_never_tracked_and_finished_job_stays_synced(kube: Kube, namespace: str, argocd: ArgoCD,
                                                               operator: OperatorProcess, repo: GitRepo) -> None:
     """Label tracking (app.kubernetes.io/instance, which our children also carry with the job's name),
@@ -555,7 +561,7 @@ def test_children_never_tracked_and_finished_job_stays_synced(kube: Kube, namesp
     create_app(kube, app)
     try:
         wait_for("job Running", lambda: phase(kube, namespace, job) == "Running", timeout=180)
-        assert (ftj(kube, namespace, job) or {})["metadata"]["labels"]["app.kubernetes.io/instance"] == job
+        assert (live_ftj(kube, namespace, job) or {})["metadata"]["labels"]["app.kubernetes.io/instance"] == job
         assert rayjobs(kube, namespace)[0]["metadata"]["labels"]["app.kubernetes.io/instance"] == job
         refresh(kube, job)
         a = wait_for("Synced", lambda: (a := get_app(kube, job)) and sync_status(a) == "Synced" and a, timeout=60)

@@ -21,9 +21,10 @@ from finetune_devcluster.upstream_crds import crd_files
 from kubernetes import client
 from kubernetes.client.rest import ApiException
 
-from tests.deploy.test_helm_chart import CHART, SCENARIOS, scenario_namespace
+from tests.builders import ftj
+from tests.deploy.helm_scenarios import CHART, SCENARIOS, scenario_namespace
 from tests.integration.conftest import Kube, wait_for
-from tests.integration.test_admission import denial, dry_create, job
+from tests.integration.support import denial, dry_create
 
 NS = "finetune-system"
 RELEASE = "finetune-operator"
@@ -110,10 +111,10 @@ def test_install_upgrade_uninstall(helm_cli: Helm, kube: Kube, monitoring_crds: 
     rule = kube.custom.get_namespaced_custom_object("monitoring.coreos.com", "v1", NS, "prometheusrules", "finetune-operator")
     assert rule["spec"]["groups"][0]["name"] == "finetune-jobs"
     # The chart's admission policies work with the chart's parameters (instance figures, allow-list).
-    err = denial(dry_create(kube, "default", job("too-big", cluster__workers={"replicas": 2, "gpusPerWorker": 8},
+    err = denial(dry_create(kube, "default", ftj("too-big", cluster__workers={"replicas": 2, "gpusPerWorker": 8},
                                                  training__globalBatchSize=64)))
     assert "8 GPUs per worker do not fit g6.12xlarge (4 GPUs per node)" in err.body, err.body
-    mine = job("mine", cluster__image="registry.example/ray:2.55.0")
+    mine = ftj("mine", cluster__image="registry.example/ray:2.55.0")
     err = denial(dry_create(kube, "default", mine))
     assert f"not in the allowed images (public.ecr.aws/deep-learning-containers/ray:*; ConfigMap {NS}/finetune-operator-policy)" \
         in err.body, err.body
@@ -125,7 +126,7 @@ def test_install_upgrade_uninstall(helm_cli: Helm, kube: Kube, monitoring_crds: 
              "--set-json", 'instanceTypes={"g6e.12xlarge": {"gpus": 4, "efaInterfaces": 1, "allocatableCPU": "47810m", '
              '"allocatableMemory": "356000Mi", "gpuModel": "L40S"}}')
     wait_for("the upgraded allow-list admits registry.example", lambda: _admitted(kube, mine), timeout=30)
-    err = denial(dry_create(kube, "default", job("too-big-g6e", cluster__instanceType="g6e.12xlarge",
+    err = denial(dry_create(kube, "default", ftj("too-big-g6e", cluster__instanceType="g6e.12xlarge",
                                                  cluster__workers={"replicas": 2, "gpusPerWorker": 8},
                                                  training__globalBatchSize=64)))
     assert "8 GPUs per worker do not fit g6e.12xlarge (4 GPUs per node)" in err.body, err.body

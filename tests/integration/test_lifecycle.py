@@ -5,16 +5,17 @@
   while the job completes -- is never re-created; the outcome is decided from what is known.
 - Delete-and-recreate with the same name waits for the previous incarnation's children.
 
-The one simulated step (as in test_operator.py): kwok pods run no Ray, so a Ray job cannot finish; the
-tests write the terminal status KubeRay writes when a job succeeds to the RayJob's status subresource.
-Everything else -- KubeRay deleting the RayJob, the garbage collector, finalizers -- is the real thing.
+Two simulated steps (as in test_operator.py), because kwok pods run no Ray: the tests that need a running
+job ask for the Ray dashboard stand-in (ray_dashboard: jobStatus RUNNING once KubeRay's submitter exists),
+and a Ray job cannot finish, so the tests write the terminal status KubeRay writes when a job succeeds to
+the RayJob's status subresource (support.complete_rayjob). Everything else -- KubeRay deleting the RayJob,
+the garbage collector, finalizers -- is the real thing.
 """
 
 from __future__ import annotations
 
 import signal
 import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -22,20 +23,25 @@ from typing import Any
 import pytest
 from kubernetes.client.rest import ApiException
 
+from tests.builders import ftj
 from tests.integration.conftest import Kube, wait_for
 from tests.integration.operator_fixtures import OperatorProcess, service_account_kubeconfig
-from tests.integration.test_operator import (
+from tests.integration.support import (
     LEASE_NS,
     G,
     P,
     V,
-    _token,
+    complete_rayjob,
     condition,
     create,
-    ftj,
+    emptied_namespace,  # noqa: F401  (the namespace fixture)
+    job_token,
+    metric,
     phase_is,
     rayjobs,
+    running_with_uid,
     status,
+    stays,
     worker_pods,
 )
 
@@ -59,52 +65,10 @@ def operator(operator_kubeconfig: Path, tmp_path_factory: pytest.TempPathFactory
     op.stop()
 
 
-@pytest.fixture
-def namespace(namespace: str, kube: Kube) -> Iterator[str]:
-    """conftest's namespace, emptied of its jobs' pods before it is deleted: the namespace controller,
-    finding pods still terminating, re-checks only after their grace period (~15 s a test); pods already
-    gone make the deletion take a second or two."""
-    yield namespace
-    for ftj_obj in kube.custom.list_namespaced_custom_object(G, V, namespace, P)["items"]:
-        try:
-            kube.custom.delete_namespaced_custom_object(G, V, namespace, P, ftj_obj["metadata"]["name"])
-        except ApiException as e:
-            if e.status != 404:
-                raise
-    deadline = time.monotonic() + 60  # best effort (a failed test may leave a finalizer): never fails here
-    while kube.core.list_namespaced_pod(namespace).items and time.monotonic() < deadline:
-        time.sleep(0.25)
-
-
 # ------------------------------------------------------------------------------- dev cluster control
 
 
-def restart_component(cluster: Any, name: str, env: dict[str, str] | None = None) -> None:
-    """Stop one dev-cluster component and start it again with the same command line (plus `env`)."""
-    cluster.restart(name, env=env)
-
-
-def kuberay_ready(cluster: Any) -> bool:
-    port = cluster.port("ray-probe")
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=2) as r:
-            return bool(r.read().decode() == "ok")
-    except OSError:
-        return False
-
-
 # ----------------------------------------------------------------------------------------- helpers
-
-
-def complete_rayjob(kube: Kube, ns: str, name: str, job_status: str = "SUCCEEDED") -> None:
-    """Write what KubeRay writes when the Ray job ends (the one simulated step: kwok runs no Ray)."""
-    now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-    deploy = "Complete" if job_status == "SUCCEEDED" else "Failed"
-    kube.custom.patch_namespaced_custom_object_status(
-        "ray.io", "v1", ns, "rayjobs", name,
-        {"status": {"jobStatus": job_status, "jobDeploymentStatus": deploy, "endTime": now}},
-        _content_type="application/merge-patch+json",
-    )
 
 
 def kuberay_deletes_it_when_done(kube: Kube, ns: str, name: str) -> None:
@@ -123,26 +87,11 @@ def kuberay_deletes_it_when_done(kube: Kube, ns: str, name: str) -> None:
 def report_done(kube: Kube, ns: str, name: str, operator: OperatorProcess, step: int = 50) -> None:
     """The training runtime's final report, posted as the runtime posts it (pod-bound job-audience token)."""
     pod = wait_for(f"{name} worker pod", lambda: (p := worker_pods(kube, ns, name)) and p[0], timeout=90)
-    token = _token(kube, ns, pod, f"finetune.dev/progress/{ns}/{name}")
+    token = job_token(kube, ns, pod, f"finetune.dev/progress/{ns}/{name}")
     body = {"rank": 0, "phase": "Done", "training": {"step": step, "totalSteps": step, "loss": 0.5}}
     code, text = operator.post(ns, name, body, token)
     assert code == 202, text
     wait_for("runtimePhase Done flushed", lambda: status(kube, ns, name).get("runtimePhase") == "Done", timeout=30)
-
-
-def running_with_uid(kube: Kube, ns: str, name: str) -> str:
-    st = wait_for(f"{name} Running", lambda: phase_is(kube, ns, name, "Running"), timeout=180)
-    (rj,) = [r for r in rayjobs(kube, ns) if r["metadata"]["name"] == name]
-    assert st["rayJobUID"] == rj["metadata"]["uid"]  # type: ignore[index]
-    return str(rj["metadata"]["uid"])
-
-
-def stays(what: str, check: Any, seconds: float) -> None:
-    """`check()` must hold the whole time (sampled), not just eventually."""
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        assert check(), what
-        time.sleep(0.25)
 
 
 def no_rayjob(kube: Kube, ns: str) -> bool:
@@ -152,6 +101,7 @@ def no_rayjob(kube: Kube, ns: str) -> bool:
 # ------------------------------------------------------------------------------- 1. never runs again
 
 
+@pytest.mark.usefixtures("ray_dashboard")
 def test_rayjob_deleted_by_hand_while_running_is_not_recreated(kube: Kube, namespace: str,
                                                                 operator: OperatorProcess) -> None:
     create(kube, namespace, ftj("handdel"))
@@ -168,6 +118,7 @@ def test_rayjob_deleted_by_hand_while_running_is_not_recreated(kube: Kube, names
     assert any(e.type == "Warning" and e.reason == "Failed" for e in events)
 
 
+@pytest.mark.usefixtures("ray_dashboard")
 def test_rayjob_deleted_after_the_training_reported_done_is_succeeded(kube: Kube, namespace: str,
                                                                        operator: OperatorProcess) -> None:
     create(kube, namespace, ftj("reported"))
@@ -181,6 +132,7 @@ def test_rayjob_deleted_after_the_training_reported_done_is_succeeded(kube: Kube
         r["metadata"].get("deletionTimestamp") for r in rayjobs(kube, namespace)), 6)
 
 
+@pytest.mark.usefixtures("ray_dashboard")
 def test_kuberay_deletes_the_finished_rayjob_at_once(kube: Kube, namespace: str, operator: OperatorProcess) -> None:
     create(kube, namespace, ftj("ttl0"))
     running_with_uid(kube, namespace, "ttl0")
@@ -192,6 +144,7 @@ def test_kuberay_deletes_the_finished_rayjob_at_once(kube: Kube, namespace: str,
     stays("no RayJob is re-created", lambda: no_rayjob(kube, namespace), 6)
 
 
+@pytest.mark.usefixtures("ray_dashboard")
 def test_operator_down_while_the_job_completes_and_kuberay_deletes_it(
         kube: Kube, namespace: str, operator: OperatorProcess) -> None:
     create(kube, namespace, ftj("offline"))
@@ -218,6 +171,7 @@ def test_operator_down_while_the_job_completes_and_kuberay_deletes_it(
 # ------------------------------------------------------------------------- 2. delete and re-create
 
 
+@pytest.mark.usefixtures("ray_dashboard")
 def test_delete_and_recreate_waits_for_the_previous_rayjob(kube: Kube, namespace: str,
                                                             operator: OperatorProcess) -> None:
     create(kube, namespace, ftj("again"))
@@ -273,6 +227,7 @@ def test_delete_and_recreate_waits_for_the_previous_rayjob(kube: Kube, namespace
     assert st["rayJobUID"] == rj["metadata"]["uid"]  # type: ignore[index]
 
 
+@pytest.mark.usefixtures("ray_dashboard")
 def test_a_write_meant_for_a_deleted_job_never_lands_on_its_successor(
         kube: Kube, namespace: str, operator: OperatorProcess, operator_kubeconfig: Path) -> None:
     """A reconcile (or a progress flush) that read the job before `kubectl delete && kubectl apply` writes
@@ -342,6 +297,7 @@ def test_a_write_meant_for_a_deleted_job_never_lands_on_its_successor(
 # ------------------------------------------------------------------------------ 7. leader fencing
 
 
+@pytest.mark.usefixtures("ray_dashboard")
 def test_a_paused_leader_writes_nothing_after_a_standby_took_over(
         kube: Kube, namespace: str, operator: OperatorProcess, operator_kubeconfig: Path, tmp_path: Path) -> None:
     operator.stop()  # releases the Lease
@@ -358,7 +314,7 @@ def test_a_paused_leader_writes_nothing_after_a_standby_took_over(
         b.start(wait_ready=False)
         wait_for("B serving as a standby", lambda: b.readyz() == 503, timeout=60)
         pod = worker_pods(kube, namespace, "fence")[0]
-        token = _token(kube, namespace, pod, f"finetune.dev/progress/{namespace}/fence")
+        token = job_token(kube, namespace, pod, f"finetune.dev/progress/{namespace}/fence")
         code, text = a.post(namespace, "fence", {"rank": 0, "training": {"step": 6, "totalSteps": 50}}, token)
         assert code == 202, text
         wait_for("A's first report written at once", lambda: status(kube, namespace, "fence").get("step") == "6/50",
@@ -385,6 +341,7 @@ def test_a_paused_leader_writes_nothing_after_a_standby_took_over(
         operator.start()
 
 
+@pytest.mark.usefixtures("ray_dashboard")
 def test_a_progress_write_paused_after_the_leader_check_is_refused_by_the_api_server(
         kube: Kube, namespace: str, operator: OperatorProcess, operator_kubeconfig: Path) -> None:
     """The Lease check before a write cannot fence a write that passed it and was then paused (SIGSTOP,
@@ -459,6 +416,7 @@ while True:  # a training loop that reports every step, the way finetune_trainin
 """
 
 
+@pytest.mark.usefixtures("ray_dashboard")
 def test_a_sigstopped_training_becomes_stalled_then_recovers_then_fails_by_policy(
         kube: Kube, namespace: str, operator: OperatorProcess, tmp_path: Path) -> None:
     import subprocess
@@ -468,7 +426,7 @@ def test_a_sigstopped_training_becomes_stalled_then_recovers_then_fails_by_polic
     running_with_uid(kube, namespace, "hang")
     pod = worker_pods(kube, namespace, "hang")[0]
     token_file = tmp_path / "token"
-    token_file.write_text(_token(kube, namespace, pod, f"finetune.dev/progress/{namespace}/hang"))
+    token_file.write_text(job_token(kube, namespace, pod, f"finetune.dev/progress/{namespace}/hang"))
     url = f"{operator.url}/v1/progress/{namespace}/hang"
     trainer = subprocess.Popen([sys.executable, "-c", REPORTER, url, str(token_file)], stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT)
@@ -518,6 +476,7 @@ def test_a_sigstopped_training_becomes_stalled_then_recovers_then_fails_by_polic
 # ------------------------------------------------------------------- 5. progress reaches the leader
 
 
+@pytest.mark.usefixtures("ray_dashboard")
 def test_a_stalled_job_gets_a_new_ray_cluster_by_policy_restart_then_fails_when_none_is_left(
         kube: Kube, namespace: str, operator: OperatorProcess) -> None:
     """stallPolicy action Restart: the stalled job's RayJob is suspended (KubeRay deletes the Ray cluster),
@@ -569,7 +528,11 @@ def test_the_service_routes_progress_to_the_leader_only(kube: Kube, operator: Op
     """deploy/operator.yaml on the dev cluster: kwok plays the two operator pods (it runs no containers
     and reports them Ready without probes), two real operator processes act as those pods (--pod-name).
     The leader labels its own pod, the Service selects that label, and the EndpointSlice controller
-    (kube-controller-manager) routes to the leader only, also after a failover."""
+    (kube-controller-manager) routes to the leader only, also after a failover. Requests go through the
+    Service: each process listens on its pod's IP (added to lo; kwok's IPs lead nowhere), port 8080, and the
+    API server's service proxy picks the endpoint; only the leader's /metrics say
+    finetune_operator_leader 1 (a standby's say 0, and its /readyz 503)."""
+    import os
     import subprocess
 
     root = Path(__file__).resolve().parents[2]
@@ -577,6 +540,7 @@ def test_the_service_routes_progress_to_the_leader_only(kube: Kube, operator: Op
                    check=True, capture_output=True, timeout=60)
     ns = "finetune-system"
     procs: list[OperatorProcess] = []
+    added: list[str] = []
     try:
         out = subprocess.run(["kubectl", "--kubeconfig", str(kube.kubeconfig), "-n", ns, "rollout", "status",
                               "deploy/finetune-operator", "--timeout=120s"], capture_output=True, text=True, timeout=150)
@@ -594,23 +558,49 @@ def test_the_service_routes_progress_to_the_leader_only(kube: Kube, operator: Op
             return {a for sl in slices for e in (sl.endpoints or []) if (e.conditions and e.conditions.ready)
                     for a in e.addresses}
 
+        assert os.geteuid() == 0, "this test adds the operator pods' IPs to lo (ip addr add): run it as root, as CI does"
+        for pod in (pod_a, pod_b):
+            subprocess.run(["ip", "addr", "add", f"{pod.status.pod_ip}/32", "dev", "lo"], check=True, timeout=10)
+            added.append(pod.status.pod_ip)
+
+        def through_service(path: str) -> str:
+            return str(kube.core.connect_get_namespaced_service_proxy_with_path("finetune-operator:http", ns, path))
+
+        def leader_answers() -> bool:
+            try:
+                return through_service("readyz") == "leader" and metric(
+                    through_service("metrics"), "finetune_operator_leader") == 1.0
+            except ApiException:  # 503: a standby (or no endpoint yet) answered
+                return False
+
         operator.stop()  # the module's operator releases the Lease; A and B compete for it
         a = OperatorProcess(operator_kubeconfig, tmp_path, identity=pod_a.metadata.name, lease_namespace=ns,
-                            extra_args=["--pod-name", pod_a.metadata.name, *SHORT_LEASE])
+                            extra_args=["--pod-name", pod_a.metadata.name, *SHORT_LEASE], host=pod_a.status.pod_ip,
+                            port=8080)
         b = OperatorProcess(operator_kubeconfig, tmp_path, identity=pod_b.metadata.name, lease_namespace=ns,
-                            extra_args=["--pod-name", pod_b.metadata.name, *SHORT_LEASE])
+                            extra_args=["--pod-name", pod_b.metadata.name, *SHORT_LEASE], host=pod_b.status.pod_ip,
+                            port=8080)
         procs += [a, b]
         a.start()
         b.start(wait_ready=False)
         wait_for("Service endpoints = the leader's pod", lambda: endpoints() == {pod_a.status.pod_ip}, timeout=60)
         assert "finetune.dev/operator-leader" not in (kube.core.read_namespaced_pod(pod_b.metadata.name, ns).metadata.labels or {})
+        wait_for("B up, as a standby", lambda: b.readyz() == 503, timeout=60)
+        assert metric(b.metrics(), "finetune_operator_leader") == 0.0  # what B would answer through the Service
+        for _ in range(5):  # every request through the Service reaches the leader
+            assert leader_answers()
         a.kill()  # the leader dies; its pod object (and label) stays, as when only the container restarts
         b.wait_ready(timeout=90)
         a.start(wait_ready=False)  # the container restarts: as a standby it drops its stale label
         wait_for("Service endpoints = the new leader's pod", lambda: endpoints() == {pod_b.status.pod_ip}, timeout=60)
+        wait_for("A up again, as a standby", lambda: a.readyz() == 503, timeout=60)
+        for _ in range(5):
+            assert leader_answers()  # B now: A's /metrics say 0 and its /readyz 503
     finally:
         for p in procs:
             p.stop()
+        for ip in added:
+            subprocess.run(["ip", "addr", "del", f"{ip}/32", "dev", "lo"], check=False, timeout=10)
         subprocess.run(["kubectl", "--kubeconfig", str(kube.kubeconfig), "delete", "--wait=false", "-f",
                         str(root / "deploy" / "operator.yaml")], capture_output=True, timeout=60)
         operator.start()
@@ -625,6 +615,7 @@ def client_discovery(kube: Kube) -> Any:
 # ---------------------------------------------------------------- 2b. a rejected child is not terminal
 
 
+@pytest.mark.usefixtures("ray_dashboard")
 def test_a_child_rejected_by_admission_blocks_until_the_policy_goes(kube: Kube, namespace: str,
                                                                      operator: OperatorProcess) -> None:
     """A real ValidatingAdmissionPolicy makes the API server answer 422 to the RayJob's apply; the job
@@ -677,6 +668,7 @@ def test_a_child_rejected_by_admission_blocks_until_the_policy_goes(kube: Kube, 
 # ------------------------------------------------------------------ 3. reconcile errors are visible
 
 
+@pytest.mark.usefixtures("ray_dashboard")
 def test_a_reconcile_error_is_a_condition_until_it_is_fixed(kube: Kube, namespace: str, operator: OperatorProcess,
                                                              control_plane: Any, tmp_path: Path) -> None:
     """The operator runs with RBAC that lacks `patch` on RayJobs (a real 403 from the real authorizer):

@@ -18,13 +18,21 @@ from typing import Any
 
 import pytest
 
-from tests.integration import test_lifecycle
+from tests.builders import ftj
 from tests.integration.conftest import Kube, wait_for
 from tests.integration.operator_fixtures import OperatorProcess, service_account_kubeconfig
-from tests.integration.test_lifecycle import kuberay_ready, restart_component, running_with_uid
-from tests.integration.test_operator import LEASE_NS, _token, create, ftj, rayjobs, status, worker_pods
-
-namespace = test_lifecycle.namespace  # the fixture: emptied of its jobs' pods before it is deleted
+from tests.integration.support import (  # emptied_namespace: the namespace fixture, emptied of its jobs' pods
+    LEASE_NS,
+    create,
+    emptied_namespace,  # noqa: F401
+    job_token,
+    kuberay_ready,
+    rayjobs,
+    restart_component,
+    running_with_uid,
+    status,
+    worker_pods,
+)
 
 JOBS = int(os.environ.get("FINETUNE_FAULT_JOBS", "50"))
 KILLS = int(os.environ.get("FINETUNE_FAULT_KILLS", "20"))
@@ -84,13 +92,14 @@ def one_rayjob_each(kube: Kube, ns: str, names: list[str]) -> bool:
 
 def post_progress(kube: Kube, ns: str, name: str, op: OperatorProcess, step: int) -> None:
     pod = worker_pods(kube, ns, name)[0]
-    token = _token(kube, ns, pod, f"finetune.dev/progress/{ns}/{name}")
+    token = job_token(kube, ns, pod, f"finetune.dev/progress/{ns}/{name}")
     code, text = op.post(ns, name, {"rank": 0, "phase": "Training", "training": {"step": step, "totalSteps": 100}}, token)
     assert code == 202, text
     wait_for(f"step {step} flushed", lambda: status(kube, ns, name).get("step") == f"{step}/100", timeout=30)
 
 
 @pytest.mark.parametrize("component", ["kube-apiserver", "etcd", "ray-operator"])
+@pytest.mark.usefixtures("ray_dashboard")
 def test_a_control_plane_component_restarts_mid_run(kube: Kube, namespace: str, control_plane: Any,
                                                    supervised: Supervised, component: str) -> None:
     create(kube, namespace, ftj("steady"))
@@ -114,6 +123,7 @@ def test_a_control_plane_component_restarts_mid_run(kube: Kube, namespace: str, 
     post_progress(kube, namespace, "steady", supervised.op, 13)
 
 
+@pytest.mark.usefixtures("ray_dashboard")
 def test_operator_killed_again_and_again_while_jobs_are_created(kube: Kube, namespace: str,
                                                                  supervised: Supervised) -> None:
     names = [f"storm-{i}" for i in range(JOBS)]

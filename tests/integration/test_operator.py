@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import subprocess
 import time
 from collections.abc import Iterator
@@ -13,12 +12,27 @@ import pytest
 from kubernetes import client
 from kubernetes.client.rest import ApiException
 
-from tests.integration.conftest import MANUAL_RAY_JOBS, Kube, wait_for
-from tests.integration.operator_fixtures import OperatorProcess, example, pod_token, service_account_kubeconfig
-
-G, V, P = "finetune.dev", "v1alpha1", "finetunejobs"
-SEED = "qwen2.5-1.5b-g6-efa.yaml"
-LEASE_NS = "finetune-system"
+from tests.builders import example, ftj
+from tests.integration.conftest import Kube, wait_for
+from tests.integration.operator_fixtures import OperatorProcess, service_account_kubeconfig
+from tests.integration.support import (
+    LEASE_NS,
+    G,
+    P,
+    V,
+    condition,
+    create,
+    get,
+    job_token,
+    kubectl,
+    metric,
+    phase_is,
+    rayclusters,
+    rayjobs,
+    status,
+    stays,
+    worker_pods,
+)
 
 
 @pytest.fixture(scope="module")
@@ -35,61 +49,10 @@ def operator(operator_kubeconfig: Path, tmp_path_factory: pytest.TempPathFactory
     op.stop()
 
 
-def ftj(name: str, source: str = SEED, **spec_overrides: Any) -> dict[str, Any]:
-    doc = copy.deepcopy(example(source))
-    doc["metadata"] = {"name": name}
-    for path, value in spec_overrides.items():
-        node = doc["spec"]
-        *parents, leaf = path.split("__")
-        for part in parents:
-            node = node.setdefault(part, {})
-        node[leaf] = value
-    return doc
-
-
-def create(kube: Kube, ns: str, doc: dict[str, Any]) -> dict[str, Any]:
-    return kube.custom.create_namespaced_custom_object(G, V, ns, P, doc)  # type: ignore[no-any-return]
-
-
-def get(kube: Kube, ns: str, name: str) -> dict[str, Any]:
-    return kube.custom.get_namespaced_custom_object(G, V, ns, P, name)  # type: ignore[no-any-return]
-
-
-def status(kube: Kube, ns: str, name: str) -> dict[str, Any]:
-    return get(kube, ns, name).get("status") or {}
-
-
-def phase_is(kube: Kube, ns: str, name: str, *phases: str) -> Any:
-    st = status(kube, ns, name)
-    return st if st.get("phase") in phases else None
-
-
-def condition(st: dict[str, Any], ctype: str) -> dict[str, Any] | None:
-    return next((c for c in st.get("conditions") or [] if c["type"] == ctype), None)
-
-
-def rayjobs(kube: Kube, ns: str) -> list[dict[str, Any]]:
-    return kube.custom.list_namespaced_custom_object("ray.io", "v1", ns, "rayjobs")["items"]  # type: ignore[no-any-return]
-
-
-def rayclusters(kube: Kube, ns: str) -> list[dict[str, Any]]:
-    return kube.custom.list_namespaced_custom_object("ray.io", "v1", ns, "rayclusters")["items"]  # type: ignore[no-any-return]
-
-
-def worker_pods(kube: Kube, ns: str, job: str) -> list[Any]:
-    pods = kube.core.list_namespaced_pod(ns, label_selector=f"finetune.dev/job={job},ray.io/node-type=worker").items
-    return [p for p in pods if p.metadata.deletion_timestamp is None]
-
-
-def kubectl(kube: Kube, *args: str) -> str:
-    out = subprocess.run(["kubectl", "--kubeconfig", str(kube.kubeconfig), *args], capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, out.stderr
-    return out.stdout
-
-
 # ----------------------------------------------------------------------------------------------- tests
 
 
+@pytest.mark.usefixtures("ray_dashboard")
 def test_seed_example_runs_on_two_simulated_g6_nodes(kube: Kube, namespace: str, operator: OperatorProcess) -> None:
     create(kube, namespace, ftj("seed"))
     st = wait_for("status names recorded", lambda: status(kube, namespace, "seed").get("rayJobName"), timeout=30)
@@ -121,9 +84,9 @@ def test_seed_example_runs_on_two_simulated_g6_nodes(kube: Kube, namespace: str,
 
 def test_starting_until_the_ray_job_runs(kube: Kube, namespace: str, operator: OperatorProcess) -> None:
     """KubeRay says Running as soon as its submitter Job exists (the image may still be pulling, `ray job
-    submit` not run yet). The job says Provisioning, reason Starting, until Ray runs the job. This namespace
-    opts out of the dashboard stand-in (conftest.py): the test writes KubeRay's jobStatus itself, step by step."""
-    kube.core.patch_namespace(namespace, {"metadata": {"labels": MANUAL_RAY_JOBS}})
+    submit` not run yet). The job says Provisioning, reason Starting, until Ray runs the job. The test asks
+    for no dashboard stand-in (conftest.py's ray_dashboard): it writes KubeRay's jobStatus itself, step by
+    step -- two simulated steps (PENDING, RUNNING)."""
     create(kube, namespace, ftj("starting"))
 
     def deploy_running() -> Any:
@@ -152,6 +115,7 @@ def our_managed_fields(obj: dict[str, Any]) -> list[str]:
                   if e.get("manager") == "finetune-operator")
 
 
+@pytest.mark.usefixtures("ray_dashboard")
 def test_children_changed_outside_the_operator_are_reverted(kube: Kube, namespace: str, operator: OperatorProcess) -> None:
     """`kubectl edit` on the RayJob's spec is drift: the operator re-applies what the FinetuneJob says and
     posts a Warning Event DriftReverted naming the fields (issue 9). The RayJob was created by a POST: the
@@ -227,6 +191,7 @@ def test_a_rayjob_of_the_jobs_name_that_is_not_its_own_is_never_taken_over(kube:
     wait_for("the job's own RayJob once the name is free", ours, timeout=120)
 
 
+@pytest.mark.usefixtures("ray_dashboard")
 def test_three_workers_on_two_nodes_wait_then_proceed(kube: Kube, namespace: str, operator: OperatorProcess,
                                                        gpu_node: Any) -> None:
     create(kube, namespace, ftj("three", cluster__workers={"replicas": 3, "gpusPerWorker": 4},
@@ -253,12 +218,13 @@ def test_deadline_exceeded_maps_to_failed(kube: Kube, namespace: str, operator: 
     assert st["completionTime"]  # type: ignore[index]
 
 
+@pytest.mark.usefixtures("ray_dashboard")
 def test_rayjob_success_maps_to_succeeded(kube: Kube, namespace: str, operator: OperatorProcess) -> None:
     create(kube, namespace, ftj("done"))
     wait_for("Running", lambda: phase_is(kube, namespace, "done", "Running"), timeout=120)
-    # kwok pods run no Ray, so no Ray job can really finish here. We write the terminal status KubeRay
-    # writes when the job succeeds (jobStatus SUCCEEDED, jobDeploymentStatus Complete) to the RayJob's
-    # status subresource -- the one simulated step in this file.
+    # kwok pods run no Ray, so no Ray job can really run or finish here. Two simulated steps: the dashboard
+    # stand-in's jobStatus RUNNING (ray_dashboard), and now the terminal status KubeRay writes when the job
+    # succeeds (jobStatus SUCCEEDED, jobDeploymentStatus Complete), written to the RayJob's status subresource.
     now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     kube.custom.patch_namespaced_custom_object_status(
         "ray.io", "v1", namespace, "rayjobs", "done",
@@ -269,6 +235,7 @@ def test_rayjob_success_maps_to_succeeded(kube: Kube, namespace: str, operator: 
     assert condition(st, "Complete")["status"] == "True"  # type: ignore[index]
 
 
+@pytest.mark.usefixtures("ray_dashboard")
 def test_suspend_and_resume(kube: Kube, namespace: str, operator: OperatorProcess) -> None:
     create(kube, namespace, ftj("pause"))
     wait_for("Running", lambda: phase_is(kube, namespace, "pause", "Running"), timeout=120)
@@ -283,6 +250,7 @@ def test_suspend_and_resume(kube: Kube, namespace: str, operator: OperatorProces
     assert len(rayjobs(kube, namespace)) == 1
 
 
+@pytest.mark.usefixtures("ray_dashboard")
 def test_delete_leaves_nothing_behind(kube: Kube, namespace: str, operator: OperatorProcess) -> None:
     create(kube, namespace, ftj("gone"))
     wait_for("Running", lambda: phase_is(kube, namespace, "gone", "Running"), timeout=120)
@@ -320,13 +288,14 @@ def test_bad_spec_is_rejected_by_the_api_server(kube: Kube, namespace: str) -> N
     assert "globalBatchSize must be a multiple" in err.value.body
 
 
+@pytest.mark.usefixtures("ray_dashboard")
 def test_operator_killed_mid_reconcile_makes_no_duplicates(kube: Kube, namespace: str, operator: OperatorProcess,
                                                             operator_kubeconfig: Path, tmp_path: Path) -> None:
     operator.stop()
     # A real SIGKILL-equivalent crash at the worst moment: right after the children were created and before
-    # the status write that records them. The crash point is chosen with a test-only environment variable.
+    # the status write that records them: the fail point reconcile/after-create (api/failpoints.py).
     crashing = OperatorProcess(operator_kubeconfig, tmp_path, identity="op-crash", lease_namespace=LEASE_NS,
-                               extra_env={"FINETUNE_TEST_CRASH_AFTER_CREATE": "1"})
+                               extra_env={"FINETUNE_FAILPOINTS": "reconcile/after-create=exit(137)"})
     try:
         crashing.start()
         create(kube, namespace, ftj("crash"))
@@ -345,12 +314,12 @@ def test_operator_killed_mid_reconcile_makes_no_duplicates(kube: Kube, namespace
     assert len(rayclusters(kube, namespace)) == 1
     operator.kill()  # and once more, mid-flight with children present
     operator.start()
-    time.sleep(3)
+    # Evidence the restarted process reconciled this job (its own /metrics: set at the end of a reconcile,
+    # after the children were applied), before counting them: else the count proves nothing.
+    wait_for("the restarted operator reconciled the job", lambda: metric(
+        operator.metrics(), "finetune_job_phase", namespace=namespace, name="crash", phase="Running") == 1.0,
+        timeout=60)
     assert len(rayjobs(kube, namespace)) == 1 and len(rayclusters(kube, namespace)) == 1
-
-
-def _token(kube: Kube, namespace: str, pod: Any, audience: str) -> str:
-    return pod_token(kube.core, namespace, pod, audience)
 
 
 def test_progress_channel_authenticates_per_job(kube: Kube, namespace: str, operator: OperatorProcess) -> None:
@@ -361,8 +330,8 @@ def test_progress_channel_authenticates_per_job(kube: Kube, namespace: str, oper
     alpha_pod = worker_pods(kube, namespace, "alpha")[0]
     beta_pod = worker_pods(kube, namespace, "beta")[0]
     # The projected token the pod gets is minted exactly like this: bound to the pod, job audience.
-    alpha_token = _token(kube, namespace, alpha_pod, f"finetune.dev/progress/{namespace}/alpha")
-    beta_token = _token(kube, namespace, beta_pod, f"finetune.dev/progress/{namespace}/beta")
+    alpha_token = job_token(kube, namespace, alpha_pod, f"finetune.dev/progress/{namespace}/alpha")
+    beta_token = job_token(kube, namespace, beta_pod, f"finetune.dev/progress/{namespace}/beta")
     body = {"rank": 0, "training": {"step": 7, "totalSteps": 100, "loss": 1.234, "tokensPerSecond": 5000.0},
             "network": {"transport": "efa", "provider": "efa", "healthy": True, "message": "NET/OFI efa, 1 nic"}}
     assert operator.post(namespace, "alpha", body, None)[0] == 401
@@ -404,7 +373,7 @@ def test_a_report_from_an_earlier_ray_cluster_is_refused(kube: Kube, namespace: 
         spec=client.V1PodSpec(containers=[client.V1Container(name="ray-worker", image="unused")],
                               node_selector={"finetune.dev/nowhere": "true"})))  # stays Pending: enough for a token
     audience = f"finetune.dev/progress/{namespace}/gamma"
-    stale_token = _token(kube, namespace, stale_pod, audience)
+    stale_token = job_token(kube, namespace, stale_pod, audience)
     stale = {"rank": 0, "training": {"step": 90, "totalSteps": 100, "loss": 9.99}}
 
     def refused() -> tuple[int, str] | None:
@@ -415,7 +384,7 @@ def test_a_report_from_an_earlier_ray_cluster_is_refused(kube: Kube, namespace: 
     code, text = wait_for("the stale report refused", refused, timeout=30)  # type: ignore[misc]
     assert f"{current}-earlier" in text and current in text, text
     code, text = operator.post(namespace, "gamma", {"rank": 0, "training": {"step": 3, "totalSteps": 100, "loss": 1.5}},
-                               _token(kube, namespace, current_pod, audience))
+                               job_token(kube, namespace, current_pod, audience))
     assert code == 202, text
     wait_for("the current cluster's report in status",
              lambda: (status(kube, namespace, "gamma").get("training") or {}).get("loss") == 1.5, timeout=30)
@@ -424,12 +393,24 @@ def test_a_report_from_an_earlier_ray_cluster_is_refused(kube: Kube, namespace: 
 
 def test_standby_replica_does_not_act(kube: Kube, namespace: str, operator: OperatorProcess,
                                       operator_kubeconfig: Path, tmp_path: Path) -> None:
+    """A standby waits for the Lease and writes nothing, while the leader does the work of a job created
+    meanwhile. Its own /metrics count every write its API client made (mirrored at each scrape), and its
+    Lease reads show the counters are live."""
     standby = OperatorProcess(operator_kubeconfig, tmp_path, identity="op-b", lease_namespace=LEASE_NS)
     try:
         standby.start(wait_ready=False)
-        time.sleep(5)
-        assert standby.proc is not None and standby.proc.poll() is None
-        assert standby.readyz() == 503  # waiting for the Lease
+        wait_for("the standby's Lease reads", lambda: standby.readyz() == 503 and metric(
+            standby.metrics(), "finetune_api_reads_total", resource="leases") >= 1, timeout=30)
+        create(kube, namespace, ftj("watched"))  # work the standby sees too, and must leave to the leader
+        wait_for("the leader created and recorded the RayJob", lambda: status(kube, namespace, "watched").get("rayJobUID"),
+                 timeout=60)
+
+        def standby_idle() -> bool:
+            text = standby.metrics()
+            return (standby.proc is not None and standby.proc.poll() is None and standby.readyz() == 503
+                    and metric(text, "finetune_api_writes_total") == 0 and metric(text, "finetune_reconcile_total") == 0)
+        stays("the standby writes nothing and reconciles nothing", standby_idle, seconds=5)
+        assert metric(operator.metrics(), "finetune_api_writes_total") > 0  # the leader's counter does count
         holder = client.CoordinationV1Api(kube.api_client).read_namespaced_lease("finetune-operator-leader", LEASE_NS)
         assert holder.spec.holder_identity == operator.identity
     finally:
@@ -451,7 +432,7 @@ def test_training_runtime_reports_through_the_progress_channel(kube: Kube, names
     pod = wait_for("a worker pod", lambda: (p := worker_pods(kube, namespace, "e2e")) and p[0], timeout=90)
     # kwok runs no kubelet, so nothing mounts the projected token; mint the same token the kubelet would.
     token_file = tmp_path / "token"
-    token_file.write_text(_token(kube, namespace, pod, f"finetune.dev/progress/{namespace}/e2e"))
+    token_file.write_text(job_token(kube, namespace, pod, f"finetune.dev/progress/{namespace}/e2e"))
     job = example("local-tiny.yaml")
     job["metadata"] = {"name": "e2e", "namespace": namespace}
     root = Path(__file__).resolve().parents[2]
@@ -599,15 +580,27 @@ def test_runtime_config_map_is_shared_immutable_and_collected_with_its_last_job(
     wait_for("runtime ConfigMaps collected with their last job", lambda: names() == set(), timeout=120)
 
 
+# The module's operator runs with the runner's default --lease-duration (30 s): it renews every third of it,
+# and a leader whose renewals keep failing gives up leadership once the renew deadline has passed since its
+# last renewal (controller/leader.py, LeaderElector.hold).
+LEASE_SECONDS = 30
+RENEW_PERIOD = LEASE_SECONDS / 3
+RENEW_DEADLINE = LEASE_SECONDS - RENEW_PERIOD
+
+
 def test_forged_token_flood_costs_no_leadership_and_no_genuine_report(kube: Kube, namespace: str,
                                                                       operator: OperatorProcess) -> None:
     """Scaled down from benchmarks/bench_progress_flood.py (1000/s for 30 s with 20 jobs): forged tokens
-    that look plausible (JWT, a real job's audience, not expired) at 300/s for 8 s while 3 jobs report
-    every second. Every genuine report is accepted, no forged one is, TokenReviews stay within the rate
-    limit, and the leader keeps renewing its Lease."""
+    that look plausible (JWT, a real job's audience, not expired) at 300/s while 3 jobs report every second,
+    for longer than the renew deadline (a flood that starved the renewals would cost the leadership within
+    it). Every genuine report is accepted, no forged one is, TokenReviews stay within the rate limit, and
+    the leader renews its Lease through the flood: no two renewals (nor the last one and the flood's end)
+    further apart than the renew deadline, and the same holder throughout."""
     import asyncio
+    import itertools
     import re
     import threading
+    from datetime import UTC, datetime
 
     from tests.integration.flood import flood, lease_sampler
 
@@ -617,7 +610,7 @@ def test_forged_token_flood_costs_no_leadership_and_no_genuine_report(kube: Kube
     jobs = []
     for n in names:
         pod = wait_for(f"{n} worker pod", lambda n=n: (p := worker_pods(kube, namespace, n)) and p[0], timeout=90)
-        jobs.append((namespace, n, _token(kube, namespace, pod, f"finetune.dev/progress/{namespace}/{n}")))
+        jobs.append((namespace, n, job_token(kube, namespace, pod, f"finetune.dev/progress/{namespace}/{n}")))
 
     def reviews() -> float:
         m = re.search(r"^finetune_progress_token_reviews_total ([0-9.e+]+)$", operator.metrics(), re.M)
@@ -631,10 +624,13 @@ def test_forged_token_flood_costs_no_leadership_and_no_genuine_report(kube: Kube
     before = reviews()
     sampler.start()
     try:
-        result = asyncio.run(flood(operator.url, jobs, forged_per_second=300, seconds=8, report_interval=1.0))
+        result = asyncio.run(flood(operator.url, jobs, forged_per_second=300, seconds=RENEW_DEADLINE + 4,
+                                   report_interval=1.0))
+        flood_end = datetime.now(UTC)
     finally:
         stop.set()
         sampler.join()
+    assert result.seconds > RENEW_DEADLINE, result.seconds  # the flood outlasted the renew deadline
     assert result.genuine[202] == result.genuine_sent, result.genuine
     assert result.forged[202] == 0 and set(result.forged) <= {401, 429}, result.forged
     assert result.forged_sent >= 1000, result.forged_sent  # the flood really happened
@@ -643,8 +639,11 @@ def test_forged_token_flood_costs_no_leadership_and_no_genuine_report(kube: Kube
     assert made <= 100 + 50 * result.seconds + len(jobs) * 2, (made, result.forged)
     assert {holder for _, holder, _ in samples} == {operator.identity}
     assert operator.proc is not None and operator.proc.poll() is None and operator.readyz() == 200
-    renewals = {renew for _, _, renew in samples}
-    assert len(renewals) >= 1 + int(result.seconds // 10), samples  # renewed every 10 s during the flood
+    assert metric(operator.metrics(), "finetune_operator_leader") == 1.0
+    renewals = sorted({datetime.fromisoformat(renew) for _, _, renew in samples})
+    gaps = [(b - a).total_seconds() for a, b in itertools.pairwise([*renewals, flood_end])]
+    assert len(renewals) >= int(result.seconds // RENEW_PERIOD), renewals  # renewed during the flood
+    assert max(gaps) < RENEW_DEADLINE, (gaps, renewals)  # never left to lapse towards losing the lead
     for ns, n, _ in jobs:
         step = result.last_step[f"{ns}/{n}"]
         wait_for(f"{n}'s last genuine step in status", lambda n=n, step=step:

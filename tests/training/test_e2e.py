@@ -45,10 +45,10 @@ def test_local_run_survives_a_worker_crash_and_resumes_on_rerun(
     run_dir = Path(storage) / "checkpoints" / "train"
 
     # Run 1: rank 1 dies (os._exit) after step 5; Ray restarts the workers, which resume from step 4.
-    monkeypatch.setenv("FINETUNE_CRASH_AT_STEP", "5")
+    monkeypatch.setenv("FINETUNE_FAILPOINTS", "train/after-step=exit(17)@step=5,rank=1")
     out = io.StringIO()
     assert run_local(job, storage, max_failures=1, out=out) == 0, out.getvalue()
-    assert (Path(storage) / "train" / ".crashed-at-step-5").exists()
+    assert (Path(storage) / "train" / ".failpoint-after-step-5").exists()
     step, last = ckpt.latest(run_dir) or (None, None)
     state = ckpt.read_state(last)
     assert (step, state["step"], state["resumed_from"]) == (6, 6, [4]), state
@@ -64,7 +64,7 @@ def test_local_run_survives_a_worker_crash_and_resumes_on_rerun(
     assert mean_loss(Path(storage) / "final", data) < mean_loss(tiny_model_dir, data) - 0.3
 
     # Run 2 (a rerun of a finished job): picks up the last checkpoint, trains nothing, exports again.
-    monkeypatch.delenv("FINETUNE_CRASH_AT_STEP")
+    monkeypatch.delenv("FINETUNE_FAILPOINTS")
     out2 = io.StringIO()
     assert run_local(job, storage, out=out2) == 0, out2.getvalue()
     assert "resuming from step 6" in out2.getvalue()

@@ -12,7 +12,7 @@ import pytest
 import yaml
 from finetune_operator.api.crd import CRD_FILENAME, build_crd, crd_yaml
 
-from tests.unit.test_render import EXAMPLES, render_example
+from tests.unit.rendering import EXAMPLES, render_example
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import base64
 import json
+import threading
+from collections.abc import Callable
 
 import pytest
 from finetune_operator.controller.metrics import Metrics
@@ -234,56 +236,61 @@ def test_progress_is_written_on_the_leading_edge_and_at_most_once_per_interval(m
     assert reg.get_sample_value("finetune_progress_write_delay_seconds_bucket", {"le": "0.25"}) == 2
 
 
-class OneSlowJob(StubKube):
-    """Job `slow`'s status patch takes 2 s (a loaded API server); the others' 10 ms."""
+class OneHangingJob(StubKube):
+    """Job `slow`'s status patch hangs (a loaded API server) until the test releases it; the others' return
+    at once. `written` is the order the patches completed in."""
 
     def __init__(self) -> None:
         super().__init__()
-        import time
-
-        self.written: dict[str, float] = {}
-        self.clock = time.monotonic
+        self.hanging = threading.Event()
+        self.release = threading.Event()
+        self.written: list[str] = []
 
     def patch_status(self, ns: str, name: str, patch: dict[str, object], uid: str | None = None,
                      has_status: bool = True, resource_version: str | None = None) -> dict[str, object]:
-        import time
-
-        time.sleep(2.0 if name == "slow" else 0.01)
-        self.written[name] = self.clock()
+        if name == "slow":
+            self.hanging.set()
+            self.release.wait(60)
+        self.written.append(name)
         return super().patch_status(ns, name, patch)
 
 
 def test_a_slow_status_write_holds_up_only_its_own_job() -> None:
     """flush_forever hands each due job's write to the pool on its own: reports that fall due while one
-    job's patch hangs are written at once (in batches they waited for the batch's slowest patch)."""
+    job's patch hangs are written while it still hangs (in batches they waited for the batch's slowest
+    patch). Order, not time: the slow patch is released only once the others were written, or after a
+    30 s guard -- then the others came after it and the test fails."""
     import asyncio
-    import time
 
     from finetune_operator.api.status import ProgressReport
 
-    kube = OneSlowJob()
+    kube = OneHangingJob()
     server = ProgressServer(kube, Metrics(), flush_interval=5.0)  # type: ignore[arg-type]
+    fast = [f"fast{n}" for n in range(5)]
 
     def report(name: str) -> None:
         server.accept("ns", name, ProgressReport.model_validate({"rank": 0, "training": {"step": 1}}))
 
-    async def run() -> dict[str, float]:
-        flusher = asyncio.create_task(server.flush_forever())
-        await asyncio.sleep(0.05)
-        start = time.monotonic()
-        report("slow")
-        await asyncio.sleep(0.2)  # its write is under way, and hangs
-        arrived = {}
-        for n in range(5):
-            arrived[f"fast{n}"] = time.monotonic()
-            report(f"fast{n}")
-            await asyncio.sleep(0.05)
-        while len(kube.written) < 6 and time.monotonic() - start < 10:
-            await asyncio.sleep(0.02)
-        flusher.cancel()
-        return {n: kube.written[n] - arrived[n] for n in arrived}
+    async def until(check: Callable[[], bool]) -> None:
+        for _ in range(3000):  # a guard against a hang (30 s), not a timing assertion
+            if check():
+                return
+            await asyncio.sleep(0.01)
 
-    delays = asyncio.run(run())
-    assert "slow" in kube.written and len(delays) == 5
-    assert max(delays.values()) < 0.5, delays  # not the ~2 s the slow patch took
-    assert kube.written["slow"] > max(kube.written[n] for n in delays)
+    async def run() -> list[str]:
+        flusher = asyncio.create_task(server.flush_forever())
+        report("slow")
+        await until(kube.hanging.is_set)  # its write is under way, and hangs
+        for n in fast:
+            report(n)
+        await until(lambda: set(fast) <= set(kube.written))
+        while_hanging = list(kube.written)
+        kube.release.set()
+        await until(lambda: "slow" in kube.written)
+        flusher.cancel()
+        return while_hanging
+
+    while_hanging = asyncio.run(run())
+    assert kube.hanging.is_set()
+    assert sorted(while_hanging) == fast, (while_hanging, kube.written)  # all written while `slow` hung
+    assert kube.written[-1] == "slow", kube.written

@@ -19,6 +19,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from finetune_operator.api.failpoints import arm_from_env, failpoint
 from finetune_operator.api.instance_types import lookup
 from finetune_operator.api.spec import FinetuneJob, FinetuneJobSpec
 from finetune_operator.api.status import NetworkHealth, ProgressReport, TrainingProgress
@@ -434,21 +435,15 @@ class Trainer:
         return {"final": final, "training": self.last.wire(), "network": self.network.wire() if self.network else {}}
 
     def _maybe_crash(self) -> None:
-        """Fault injection for tests: `FINETUNE_CRASH_AT_STEP=N` kills rank 1 (or 0) once after step N.
-
-        A real process death (os._exit), so Ray Train's failure handling and the resume path are
-        exercised for real; a marker file in the run directory makes it happen only once.
-        """
-        at = os.environ.get("FINETUNE_CRASH_AT_STEP")
-        if not at or int(at) != self.step or self.rank != min(1, self.world - 1):
+        """The fail point ``train/after-step`` (finetune_operator.api.failpoints), e.g.
+        ``FINETUNE_FAILPOINTS="train/after-step=exit(17)@step=5,rank=1"``: a real process death (os._exit),
+        so Ray Train's failure handling and the resume path are exercised for real. A marker in the run
+        directory makes it fire once, so the restarted workers get past the step (not on s3://, where the
+        point is not reached)."""
+        if self.cfg.run_dir.startswith("s3://"):
             return
-        marker = Path(self.cfg.run_dir) / f".crashed-at-step-{self.step}"
-        if self.cfg.run_dir.startswith("s3://") or marker.exists():
-            return
-        marker.parent.mkdir(parents=True, exist_ok=True)
-        marker.write_text("FINETUNE_CRASH_AT_STEP\n")
-        print(f"FINETUNE_CRASH_AT_STEP: rank {self.rank} exits after step {self.step}", flush=True)
-        os._exit(17)
+        failpoint("train/after-step", once=Path(self.cfg.run_dir) / f".failpoint-after-step-{self.step}",
+                  step=self.step, rank=self.rank)
 
     def close(self) -> None:
         self.progress.close()
@@ -461,6 +456,7 @@ def train_func(config: dict[str, Any]) -> None:
 
     from .netprobe import NetworkProbeError, ensure_nccl_debug_file
 
+    arm_from_env()  # a bad FINETUNE_FAILPOINTS fails here, before any work
     cfg = LoopConfig(**config)
     job = FinetuneJob.model_validate(cfg.job)
     ctx = ray.train.get_context()

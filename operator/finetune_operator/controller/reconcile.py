@@ -11,7 +11,6 @@ import dataclasses
 import hashlib
 import json
 import logging
-import os
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -19,6 +18,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from ..api import spec as s
+from ..api.failpoints import failpoint
 from ..api.policy import policy_issues
 from ..api.status import Phase
 from ..api.validation import SpecError, parse_job
@@ -496,8 +496,8 @@ class Reconciler:
                     if self._refused(err, action, observed):
                         return
                     raise
-        if recorded is None and os.environ.get("FINETUNE_TEST_CRASH_AFTER_CREATE") == "1":
-            os._exit(137)  # test hook: die like a SIGKILL at the worst moment (see test_operator.py)
+        if recorded is None:
+            failpoint("reconcile/after-create")  # created, not recorded: the worst moment to die
         # The RayJob's UID is recorded by this reconcile's status write (derive_status copies it from the
         # RayJob observed here, in the same reconcile as its creation): from then on, if it disappears, it
         # is never re-created. A failure before that write leaves an unrecorded RayJob this job owns, which
