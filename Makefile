@@ -22,11 +22,11 @@ test: setup prebuild lint
 
 # Everything the suite builds, once, cached by version under ~/.cache/finetune-operator (a no-op when warm):
 # every Go-built part (control plane, KubeRay, kwok, the real node's parts, Argo CD, Helm, promtool, Grafana's
-# schema check) and, side by side with the Go builds (mostly downloads and unpacking), the real node's images
+# schema check), moto's S3 server (its own venv) and, side by side with the Go builds (mostly downloads and unpacking), the real node's images
 # with the Ray Train DLC's stack that tests/training also runs on.
 prebuild: setup
 	@.venv/bin/finetune dev-cluster images > .venv/prebuild-images.log 2>&1 & images=$$!; \
-	.venv/bin/finetune dev-cluster build --real-node; rc=$$?; \
+	.venv/bin/finetune dev-cluster build --real-node && .venv/bin/python -m finetune_devcluster.s3server --install; rc=$$?; \
 	if ! wait $$images; then cat .venv/prebuild-images.log; rc=1; fi; \
 	tail -n 3 .venv/prebuild-images.log; exit $$rc
 

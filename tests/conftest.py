@@ -3,6 +3,7 @@ real S3-protocol server (`s3`: moto's standalone server, `finetune_devcluster.s3
 
 from __future__ import annotations
 
+import os
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -65,18 +66,21 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     # counts against a test's timeout; nothing is built when no such test runs.
     if session.config.option.collectonly:
         return
-    from finetune_devcluster import build
-    from finetune_devcluster.versions import ALL_COMPONENTS
-
+    # The dev package is imported only when something is needed from it: tests/training also runs on the
+    # DLC's stack (scripts/test-training-dlc), which has the operator and the runtime but not the dev cluster.
     wanted = sorted({TOOL_FIXTURES[f][0] for i in session.items for f in getattr(i, "fixturenames", ())
                      if f in TOOL_FIXTURES})
-    missing = [n for n in wanted if not build.is_built(ALL_COMPONENTS[n])]
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
     say = reporter.write_line if reporter else print
-    if missing:
-        say(f"tools: building {', '.join(missing)} (cached in {build.cache_dir() / 'bin'})")
-        build.build(missing, log=say)
-    if any("s3" in getattr(i, "fixturenames", ()) for i in session.items):
+    if wanted:
+        from finetune_devcluster import build
+        from finetune_devcluster.versions import ALL_COMPONENTS
+
+        missing = [n for n in wanted if not build.is_built(ALL_COMPONENTS[n])]
+        if missing:
+            say(f"tools: building {', '.join(missing)} (cached in {build.cache_dir() / 'bin'})")
+            build.build(missing, log=say)
+    if not os.environ.get(S3_ENDPOINT_ENV) and any("s3" in getattr(i, "fixturenames", ()) for i in session.items):
         from finetune_devcluster import s3server
 
         s3server.install(log=say)  # moto's own venv, once (~40 s cold); a no-op when cached
@@ -105,6 +109,22 @@ def grafana_dashboard_check() -> Path:
 
 
 S3_BUCKET = "finetune-tests"
+# Where the S3 server was started outside pytest (scripts/test-training-dlc starts one on the host for the
+# chroot: the chroot shares the host's loopback), its endpoint; the bucket S3_BUCKET must exist there.
+S3_ENDPOINT_ENV = "FINETUNE_TEST_S3_ENDPOINT"
+
+
+class ExternalS3:
+    """An S3 server this process did not start: the same `env` as S3Server's, and nothing to stop."""
+
+    def __init__(self, endpoint: str) -> None:
+        self.endpoint = endpoint
+        # The credentials and region come with the endpoint, from whoever started the server.
+        self.env = {"AWS_ENDPOINT_URL": endpoint, **{k: os.environ[k] for k in
+                    ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_REGION")}}
+
+    def stop(self) -> None:
+        pass
 
 
 class S3Bucket:
@@ -149,10 +169,12 @@ def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Bucket]:
     """A real S3-protocol server (moto_server on loopback) for the whole session, started only when a test
     asks for it. The standard AWS variables point every client at it, as an EKS pod's would at S3
     (AWS_ENDPOINT_URL for the endpoint; pyarrow and Ray Train read them; Ray workers inherit them)."""
-    from finetune_devcluster.s3server import S3Server
+    if os.environ.get(S3_ENDPOINT_ENV):  # a server started outside this process (the DLC run's chroot)
+        server: Any = ExternalS3(os.environ[S3_ENDPOINT_ENV])
+    else:
+        from finetune_devcluster.s3server import S3Server
 
-    workdir = tmp_path_factory.mktemp("s3server")
-    server = S3Server(workdir).start(buckets=[S3_BUCKET])
+        server = S3Server(tmp_path_factory.mktemp("s3server")).start(buckets=[S3_BUCKET])
     with pytest.MonkeyPatch.context() as mp:
         for key in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL_S3", "AWS_ROLE_ARN",
                     "AWS_WEB_IDENTITY_TOKEN_FILE", "AWS_CONTAINER_CREDENTIALS_FULL_URI"):
