@@ -21,8 +21,8 @@ _PLUGINS = ("finetune_training.cli", "finetune_operator.runner", "finetune_opera
 ENTRY_POINT_GROUP = "finetune.commands"
 # Where a command's distribution is not installed, it still answers, with how to get it.
 _ABSENT = {
-    "dev-cluster": "the dev cluster is development tooling, not part of the operator: in a checkout, "
-                   "`make setup` installs it (or `pip install -e devcluster/`)",
+    "dev-cluster": "the dev cluster is development tooling, not part of the operator: in a checkout of the "
+                   "repository, `make setup` installs its package",
 }
 
 

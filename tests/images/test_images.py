@@ -7,6 +7,7 @@ are cached under ~/.cache/finetune-operator/images, so only the first run pays (
 from __future__ import annotations
 
 import io
+import json
 import os
 import shutil
 import subprocess
@@ -137,6 +138,32 @@ def test_operator_image_is_built_by_buildah_from_the_local_base() -> None:
     base = oci.verify_oci_archive(images.base_image().path)
     assert info["config"]["rootfs"]["diff_ids"][0] == base["config"]["rootfs"]["diff_ids"][0]
     assert images.operator_image() == img
+
+
+def test_operator_image_holds_the_operator_and_no_dev_cluster() -> None:
+    # The dev cluster is development tooling (its own package): no module of it, and no Go module, ships.
+    names = _layer_files(images.operator_image().path)
+    site = [n for n in names if "/site-packages/" in n]
+    assert any(n.endswith("site-packages/finetune_operator/controller/reconcile.py") for n in site)
+    assert [n for n in names if "devcluster" in n or n.endswith(("go.mod", "go.sum", ".go"))] == []
+
+
+def _layer_files(archive: Path) -> list[str]:
+    """Every path in an OCI archive's layers (gzip or plain tar layers, as buildah and our writer make them)."""
+    out: list[str] = []
+    with tarfile.open(archive) as outer:
+        def read(name: str) -> bytes:
+            member = outer.extractfile(name)
+            assert member is not None, name
+            return member.read()
+
+        index = json.loads(read("index.json"))
+        manifest = json.loads(read("blobs/sha256/" + index["manifests"][0]["digest"].split(":", 1)[1]))
+        for layer in manifest["layers"]:
+            blob = read("blobs/sha256/" + layer["digest"].split(":", 1)[1])
+            with tarfile.open(fileobj=io.BytesIO(blob), mode="r:*") as inner:
+                out += inner.getnames()
+    return out
 
 
 def _containerd_dir() -> Path | None:
