@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
-from finetune_devcluster import images, oci
+from finetune_devcluster import images, oci, realnode
 
 pytestmark = pytest.mark.slow
 
@@ -166,17 +166,10 @@ def _layer_files(archive: Path) -> list[str]:
     return out
 
 
-def _containerd_dir() -> Path | None:
-    """The node's containerd, as the dev cluster builds it (cached by version); None before it is built."""
-    found = sorted((images.images_dir().parent / "bin").glob("containerd-v*/ctr"))
-    return found[-1].parent if found else None
-
-
-@pytest.mark.skipif(_containerd_dir() is None, reason="containerd not built yet (the real node's build makes it)")
 def test_containerd_imports_and_unpacks_the_archives_under_their_ref(tmp_path: Path) -> None:
     """A private containerd (its own root, state and socket; CRI off) imports the archives as the node will."""
-    bindir = _containerd_dir()
-    assert bindir is not None
+    # The node's containerd, as the dev cluster builds it (cached by version; `make prebuild` has built it).
+    bindir = realnode.node_binaries()["containerd"].parent
     sock = tmp_path / "c.sock"
     (tmp_path / "config.toml").write_text(
         f'version = 3\nroot = "{tmp_path}/root"\nstate = "{tmp_path}/state"\n'
