@@ -14,10 +14,11 @@ demo: setup
 demo-cluster: setup control-plane
 	.venv/bin/finetune dev-cluster demo $(if $(KEEP),--keep)
 
-# Second command: set up (venv + Go-built control plane), lint/type-check, and run the whole test suite;
+# Second command: set up (venv + Go-built control plane), lint/type-check, and run the whole test suite (three
+# lanes side by side, scripts/test-lanes: tests/conftest.py LANES);
 # then tests/training once more on the Ray Train DLC's own stack (Python 3.13 + requirements/dlc.txt).
 test: setup prebuild lint
-	.venv/bin/python -m pytest -ra --durations=30 -n 3 --dist loadgroup
+	.venv/bin/python scripts/test-lanes
 	./scripts/test-training-dlc
 
 # Everything the suite builds, once, cached by version under ~/.cache/finetune-operator (a no-op when warm):

@@ -19,12 +19,12 @@ TOOL_FIXTURES = {
 }
 
 
-# `make test` runs the suite in three concurrent lanes (pytest-xdist, `-n 3 --dist loadgroup`): each lane is one
-# worker process with its own session fixtures, so the tests of a lane share that lane's dev cluster. Most of
-# the integration tests' time is waiting (for controllers, timers, pods): three lanes on two cores overlap the
+# `make test` runs the suite in three concurrent lanes (scripts/test-lanes: one pytest process per lane, `--lane
+# NAME`), so the tests of a lane share that process's session fixtures, its dev cluster among them. Most of the
+# integration tests' time is waiting (for controllers, timers, pods): three lanes on two cores overlap the
 # waits. A lane: the real node's tests (one real-node cluster), or one kwok control plane's share of the
-# integration tests, plus CPU-bound work spread for balance. Measured per file in the README ("The suite's
-# time"); a file not listed falls into the lane of its kind.
+# integration tests, plus CPU-bound work spread for balance (per-file times: README, "The suite's time"). A
+# file not listed falls into the lane of its kind; every test is in exactly one lane.
 LANES: dict[str, str] = {
     "tests/integration/test_e2e_real_node.py": "real-node",
     "tests/integration/test_real_node.py": "real-node",
@@ -37,23 +37,32 @@ LANES: dict[str, str] = {
     "tests/integration/": "kwok-a",
     "tests/unit/": "kwok-a",
 }
+LANE_NAMES = ("real-node", "kwok-a", "kwok-b")
 
 
-def lane(nodeid: str) -> str:
-    """The lane of a test: the longest LANES prefix of its path (real-node tests elsewhere join the real node's)."""
-    path = nodeid.split("::", 1)[0]
+def lane(item: pytest.Item) -> str:
+    """The lane of a test: real-node tests join the real node's; else the longest LANES prefix of its path."""
+    if item.get_closest_marker("real_node"):
+        return "real-node"
+    path = item.nodeid.split("::", 1)[0]
     match = max((p for p in LANES if path.startswith(p)), key=len, default="")
     return LANES.get(match, "kwok-a")
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the marks (--dist loadgroup)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    for item in items:
-        name = "real-node" if item.get_closest_marker("real_node") else lane(item.nodeid)
-        item.add_marker(pytest.mark.xdist_group(name))
+    wanted = config.getoption("lane")
+    if not wanted:
+        return
+    keep = [i for i in items if lane(i) == wanted]
+    dropped = [i for i in items if lane(i) != wanted]
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = keep
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--lane", choices=LANE_NAMES, default=None,
+                     help="run only this lane's tests (scripts/test-lanes runs the lanes side by side)")
     parser.addoption(
         "--update-golden",
         action="store_true",
