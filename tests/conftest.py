@@ -31,7 +31,7 @@ LANES: dict[str, str] = {
     "tests/images/": "real-node",
     "tests/deploy/": "real-node",
     "tests/integration/test_lifecycle.py": "kwok-b",
-    "tests/integration/test_lifecycle_faults.py": "kwok-b",
+    "tests/integration/test_lifecycle_faults.py": "kwok-a",
     "tests/integration/test_argocd.py": "kwok-b",
     "tests/training/": "kwok-b",
     "tests/integration/": "kwok-a",
