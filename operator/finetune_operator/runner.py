@@ -48,6 +48,9 @@ def register(sub: Any) -> None:
                    help="image of the pod that runs `ray job submit` ({rayVersion} is replaced; default: a Ray CPU image)")
     p.add_argument("--config-namespace", default=os.environ.get("POD_NAMESPACE", "finetune-system"),
                    help="namespace of the ConfigMaps with instance-type figures and the allow-list (deploy/)")
+    p.add_argument("--config-ttl", type=float, default=30.0,
+                   help="seconds the instance-type figures and the allow-list read from --config-namespace are cached "
+                        "(a job waiting for its instance type's figures is judged again at the next resync after that)")
     p.add_argument("--identity", default=os.environ.get("POD_NAME") or f"{socket.gethostname()}-{uuid.uuid4().hex[:6]}")
     p.add_argument("--pod-name", default=os.environ.get("POD_NAME"),
                    help="this replica's pod (in --lease-namespace): the leader labels it finetune.dev/operator-leader=true")
@@ -103,7 +106,7 @@ async def run(args: argparse.Namespace) -> int:
     kube.on_written = cache.written  # a reconcile that follows its own write reads what it wrote
     metrics.watch_cache(cache.sizes)
     reconciler = Reconciler(kube, render_cfg, runtime_files(), metrics,
-                            cluster_config=ClusterConfig(kube, args.config_namespace), cache=cache)
+                            cluster_config=ClusterConfig(kube, args.config_namespace, ttl=args.config_ttl), cache=cache)
     queue = WorkQueue(reconciler.reconcile, workers=args.workers)
     reconciler.requeue_after = queue.add_after
     progress = ProgressServer(kube, metrics, on_flushed=queue.add, flush_interval=args.flush_interval,

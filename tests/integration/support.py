@@ -4,6 +4,7 @@
 - metric: one figure from an operator's /metrics.
 - job_token: the pod-bound, job-audience token the kubelet would project into a Ray pod.
 - complete_rayjob: the simulated end of a Ray job (kwok runs no Ray).
+- node_of_new_type: a kwok node of an instance type no ConfigMap describes (its figures come from the node).
 - emptied_namespace: the ``namespace`` fixture, emptied of its jobs' pods before it is deleted (a test
   module uses it with ``from tests.integration.support import emptied_namespace  # noqa: F401``).
 - restart_component, kuberay_ready: dev-cluster control for the fault tests.
@@ -93,6 +94,19 @@ def stays(what: str, check: Any, seconds: float) -> None:
     while time.monotonic() < deadline:
         assert check(), what
         time.sleep(0.25)
+
+
+def node_of_new_type(kube: Kube, name: str, itype: str, gpus: int) -> None:
+    """A node of an instance type no ConfigMap describes (kwok keeps it Ready); its figures are the
+    only source the operator has for that type."""
+    from finetune_devcluster.kwok_nodes import node_manifest
+
+    node = node_manifest(name, "g6.12xlarge", "new-types", index=90)
+    for key in ("node.kubernetes.io/instance-type", "beta.kubernetes.io/instance-type"):
+        node["metadata"]["labels"][key] = itype
+    for figures in (node["status"]["capacity"], node["status"]["allocatable"]):
+        figures["nvidia.com/gpu"] = str(gpus)
+    kube.core.create_node(node)
 
 
 def complete_rayjob(kube: Kube, ns: str, name: str, job_status: str = "SUCCEEDED") -> None:

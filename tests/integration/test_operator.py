@@ -26,6 +26,7 @@ from tests.integration.support import (
     job_token,
     kubectl,
     metric,
+    node_of_new_type,
     phase_is,
     rayclusters,
     rayjobs,
@@ -459,23 +460,10 @@ def test_training_runtime_reports_through_the_progress_channel(kube: Kube, names
     assert row[2] == "6/6" and row[4] == "gloo"
 
 
-def _node_of_new_type(kube: Kube, name: str, itype: str, gpus: int) -> None:
-    """A node of an instance type no ConfigMap describes (kwok keeps it Ready); its figures are the
-    only source the operator has for that type."""
-    from finetune_devcluster.kwok_nodes import node_manifest
-
-    node = node_manifest(name, "g6.12xlarge", "new-types", index=90)
-    for key in ("node.kubernetes.io/instance-type", "beta.kubernetes.io/instance-type"):
-        node["metadata"]["labels"][key] = itype
-    for figures in (node["status"]["capacity"], node["status"]["allocatable"]):
-        figures["nvidia.com/gpu"] = str(gpus)
-    kube.core.create_node(node)
-
-
 def test_unknown_instance_type_takes_figures_from_the_nodes(kube: Kube, namespace: str, operator: OperatorProcess,
                                                             control_plane: Any) -> None:
     # g6e.12xlarge is in no ConfigMap: admission lets it through, the operator reads a node's figures.
-    _node_of_new_type(kube, "g6e-node-0", "g6e.12xlarge", gpus=4)
+    node_of_new_type(kube, "g6e-node-0", "g6e.12xlarge", gpus=4)
     try:
         create(kube, namespace, ftj("toobig", cluster__instanceType="g6e.12xlarge",
                                     cluster__workers={"replicas": 2, "gpusPerWorker": 8}, training__globalBatchSize=64))

@@ -7,8 +7,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
+from finetune_operator.api.instance_types import INSTANCE_TYPES
 from finetune_operator.api.spec import StallAction, StallPolicy
-from finetune_operator.api.status import FinetuneJobStatus
+from finetune_operator.api.status import FinetuneJobStatus, InstanceFigures
 from finetune_operator.api.validation import Issue
 from finetune_operator.controller import transitions
 from finetune_operator.controller.status import Observed
@@ -28,6 +29,12 @@ HUNG = StatusDoc("Running").running_since(HOUR_AGO).reported(HOUR_AGO, step=5, t
 FRESH = StatusDoc("Running").running_since(HOUR_AGO).reported(NOW, step=6, totalSteps=10)
 PENDING_RESTART = (StatusDoc("Provisioning").condition("Running", "False", "StallRestart", HOUR_AGO)
                    .set("stallRestarts", 1).set("stallRestartPending", True))
+# The figures a job was judged against (status.instance), and other figures seen later.
+FIGURES = InstanceFigures.of(INSTANCE_TYPES["g6.12xlarge"]).wire()
+LATER = {**FIGURES, "gpus": 2, "source": "node n-1"}
+RUNNING_JUDGED = FRESH.set("rayJobUID", "rj-1").set("instance", FIGURES)
+NOT_ALLOWED = [Issue("spec.cluster.image", "x is not in the allowed images (y*; ConfigMap finetune-system/p)")]
+UNKNOWN = "spec.cluster.instanceType: no figures for 'g7.big'; waiting for them. Add them to a ConfigMap ..."
 LOST = StatusDoc("Running").running_since(HOUR_AGO).set("rayJobUID", "rj-1").set("step", "40/50")
 
 
@@ -62,6 +69,32 @@ CASES = [
          "Failed", (("SpecValid", "False", "InvalidSpec"), ("Failed", "True", "InvalidSpec")), policy=None),
     Case("invalid-spec-while-running", 1, FRESH, Observed(spec_issues=[Issue("spec.training", "bad")]),
          "Failed", (("Failed", "True", "InvalidSpec"),), policy=None),
+    Case("invalid-spec-records-no-verdict-on-figures", 1, StatusDoc(), Observed(spec_issues=NOT_ALLOWED, instance=FIGURES),
+         "Failed", (("SpecValid", "False", "InvalidSpec"),), policy=None),
+    Case("unknown-instance-type-waits", 23, StatusDoc(), Observed(unknown_instance_type=UNKNOWN), "Pending",
+         (("InstanceTypeKnown", "False", "UnknownInstanceType"),), absent=("Failed", "SpecValid"), policy=None,
+         fields={"message": UNKNOWN}),
+    Case("unknown-instance-type-still-waiting", 23,
+         StatusDoc("Pending").condition("InstanceTypeKnown", "False", "UnknownInstanceType", HOUR_AGO),
+         Observed(unknown_instance_type=UNKNOWN), "Pending", (("InstanceTypeKnown", "False", "UnknownInstanceType"),),
+         policy=None),
+    Case("figures-appeared", 23, StatusDoc("Pending").condition("InstanceTypeKnown", "False", "UnknownInstanceType", HOUR_AGO),
+         Observed(instance=FIGURES), "Pending", (("InstanceTypeKnown", "True", "Known"), ("SpecValid", "True", "Valid")),
+         fields={"instance": FIGURES, "message": "creating the RayJob"}),
+    Case("figures-recorded-before-the-rayjob", 8, StatusDoc(), Observed(instance=FIGURES), "Pending", (),
+         absent=("InstanceTypeKnown",), fields={"instance": FIGURES}),
+    Case("allow-list-tightened-while-running", 24, RUNNING_JUDGED,
+         Observed(spec_issues=NOT_ALLOWED, rayjob=rayjob("Running", "RUNNING").rayjob), "Running",
+         (("Running", "True", "RayJobRunning"),), absent=("Failed",), fields={"instance": FIGURES}),
+    Case("figures-gone-while-running", 24, RUNNING_JUDGED,
+         Observed(unknown_instance_type=UNKNOWN, rayjob=rayjob("Running", "RUNNING").rayjob), "Running",
+         (("Running", "True", "RayJobRunning"),), absent=("InstanceTypeKnown", "Failed")),
+    Case("figures-changed-while-running", 24, RUNNING_JUDGED,
+         Observed(instance=LATER, rayjob=rayjob("Running", "RUNNING").rayjob), "Running",
+         (("Running", "True", "RayJobRunning"),), fields={"instance": FIGURES}),
+    Case("allow-list-tightened-after-success", 24,
+         StatusDoc("Succeeded").set("rayJobUID", "rj-1").condition("Complete", "True", "Succeeded", HOUR_AGO),
+         Observed(spec_issues=NOT_ALLOWED), "Succeeded", (("Complete", "True", "Succeeded"),), absent=("Failed",)),
     Case("blocked-previous-child", 2, StatusDoc(), Observed(blocked=("WaitingForPreviousChild", "old RayJob j")),
          "Pending", (("Blocked", "True", "WaitingForPreviousChild"),), absent=("Failed",)),
     Case("blocked-conflict", 2, StatusDoc(), Observed(blocked=("ChildConflict", "RayJob j exists")),
@@ -168,5 +201,5 @@ def test_transition(case: Case) -> None:
 
 def test_every_row_of_the_table_has_a_case() -> None:
     rows = {int(n) for n in re.findall(r"^\| (\d+) +\|", transitions.__doc__ or "", re.M)}
-    assert rows == set(range(1, 23))
+    assert rows == set(range(1, 25))
     assert {c.row for c in CASES} == rows

@@ -11,6 +11,7 @@ from enum import Enum
 
 from pydantic import Field
 
+from . import instance_types as it
 from .base import StatusModel
 
 
@@ -74,6 +75,40 @@ class NetworkHealth(StatusModel):
     message: str | None = Field(default=None, description="What the probe saw, in words.")
 
 
+class InstanceFigures(StatusModel):
+    """The instance-type figures a job was judged and rendered against, recorded once before its RayJob is
+    created: later reconciles render from these, so a figures ConfigMap changed or the nodes of the type
+    removed (Karpenter) never re-judge a job that runs or has finished."""
+
+    name: str = Field(description="Instance type (spec.cluster.instanceType).")
+    source: str = Field(description="Where the figures came from: built-in table, ConfigMap ns/name, or node name.")
+    vcpu: int = Field(description="vCPUs of one node.")
+    memory_gib: int = Field(alias="memoryGiB", description="Memory of one node, GiB.")
+    gpus: int = Field(description="GPUs of one node.")
+    gpu_model: str = Field(default="", description="GPU model, if known.")
+    gpu_memory_gib: int = Field(default=0, alias="gpuMemoryGiB", description="Memory of one GPU, GiB (0: unknown).")
+    efa_interfaces: int = Field(description="EFA interfaces of one node.")
+    network_gbps: int = Field(default=0, description="Network bandwidth of one node, Gbit/s (0: unknown).")
+    gpudirect_rdma: bool = Field(default=False, alias="gpudirectRDMA", description="GPUDirect RDMA over EFA.")
+    gpu_bf16_tflops: float = Field(default=0.0, alias="gpuBf16TFLOPS", description="Dense bf16 peak of one GPU (MFU).")
+    allocatable_cpu_millis: int = Field(alias="allocatableCPUMillis", description="Allocatable CPU of one node, millicores.")
+    allocatable_memory_mib: int = Field(alias="allocatableMemoryMiB", description="Allocatable memory of one node, MiB.")
+
+    @classmethod
+    def of(cls, t: it.InstanceType) -> InstanceFigures:
+        return cls.model_validate({
+            "name": t.name, "source": t.source, "vcpu": t.vcpu, "memoryGiB": t.memory_gib, "gpus": t.gpus,
+            "gpuModel": t.gpu_model, "gpuMemoryGiB": t.gpu_memory_gib, "efaInterfaces": t.efa_interfaces,
+            "networkGbps": t.network_gbps, "gpudirectRDMA": t.gpudirect_rdma, "gpuBf16TFLOPS": t.gpu_bf16_tflops,
+            "allocatableCPUMillis": t.allocatable_cpu_millis, "allocatableMemoryMiB": t.allocatable_memory_mib})
+
+    def instance_type(self) -> it.InstanceType:
+        return it.InstanceType(self.name, self.vcpu, self.memory_gib, self.gpus, self.gpu_model, self.gpu_memory_gib,
+                               self.efa_interfaces, self.network_gbps, self.gpudirect_rdma, self.gpu_bf16_tflops,
+                               source=self.source, alloc_cpu_millis=self.allocatable_cpu_millis,
+                               alloc_memory_mib=self.allocatable_memory_mib)
+
+
 class FinetuneJobStatus(StatusModel):
     """Observed state, written by the operator: phase, conditions, children, progress, network health."""
 
@@ -107,6 +142,11 @@ class FinetuneJobStatus(StatusModel):
     )
     stall_restart_pending: bool | None = Field(
         default=None, description="A stall restart is under way: the RayJob is suspended and is resumed once its Ray cluster is gone."
+    )
+    instance: InstanceFigures | None = Field(
+        default=None,
+        description="The instance-type figures the job was judged and rendered against, fixed once its RayJob exists "
+                    "(the allow-list and the figures are judged only before that).",
     )
 
 

@@ -88,6 +88,19 @@ def unknown_type_issue(name: str, table: Table | None = None) -> Issue:
     return Issue("spec.cluster.instanceType", f"unknown instance type {name!r} (known: {known}); {UNKNOWN_TYPE_HINT}")
 
 
+class UnknownInstanceType(Exception):
+    """No figures for the job's instance type anywhere: the job waits for them (never a verdict)."""
+
+
+def unknown_type_message(name: str, namespace: str) -> str:
+    """How an admin adds an instance type's figures (a cluster that scales from zero has no node to read)."""
+    keys = ", ".join(f"{name}.{f}" for f in it.FIGURES)
+    return (f"spec.cluster.instanceType: no figures for {name!r} in the built-in table, the ConfigMaps labelled "
+            f"{it.PARAMS_LABEL}=true in {namespace}, or the cluster's nodes; waiting for them. Add them to such a "
+            f"ConfigMap (see deploy/instance-types.yaml; keys {keys}, e.g. {name}.allocatableCPU: 47810m, "
+            f"{name}.allocatableMemory: 190000Mi) and the job starts")
+
+
 def fit_issues(spec: FinetuneJobSpec, table: Table | None = None) -> list[Issue]:
     """Rules that need the instance-type table (the admission policy in deploy/ checks the same ones
     against the same figures; `table` defaults to the built-in one)."""
@@ -178,14 +191,19 @@ def local_only_warnings(spec: FinetuneJobSpec) -> list[Issue]:
     return out
 
 
-def parse_job(doc: Any, table: Table | None = None) -> FinetuneJob:
-    """Validate one document; raises SpecError listing every problem."""
+def parse_model(doc: Any) -> FinetuneJob:
+    """The model only (layer 1, no instance-type figures); raises SpecError listing every problem."""
     if not isinstance(doc, dict):
         raise SpecError([Issue("(document)", "expected a mapping with apiVersion, kind, metadata and spec")])
     try:
-        job = FinetuneJob.model_validate(doc)
+        return FinetuneJob.model_validate(doc)
     except ValidationError as err:
         raise SpecError(issues_from_validation_error(err)) from None
+
+
+def parse_job(doc: Any, table: Table | None = None) -> FinetuneJob:
+    """Validate one document; raises SpecError listing every problem."""
+    job = parse_model(doc)
     errors = fit_issues(job.spec, table)
     if errors:
         raise SpecError(errors)

@@ -17,11 +17,12 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
+from ..api import instance_types as it
 from ..api import spec as s
 from ..api.failpoints import failpoint
 from ..api.policy import policy_issues
-from ..api.status import Phase
-from ..api.validation import SpecError, parse_job
+from ..api.status import InstanceFigures, Phase
+from ..api.validation import SpecError, UnknownInstanceType, fit_issues, parse_model, unknown_type_message
 from ..render.config import RenderConfig
 from ..render.rayjob import JOB_LABEL, child_names, is_shared, render_children, runtime_hash, suspension_patch
 from .cache import Cache
@@ -41,7 +42,7 @@ from .status import (
     seconds_until_stall,
     set_condition,
 )
-from .transitions import TERMINAL, RayJobAction, decide, rayjob_held_suspended
+from .transitions import TERMINAL, RayJobAction, decide, judged, rayjob_held_suspended
 
 Obj = dict[str, Any]
 HASH_ANNOTATION = "finetune.dev/render-hash"
@@ -323,24 +324,25 @@ class Reconciler:
         job: s.FinetuneJob | None = None
         cfg = self.cfg
         try:
-            job, cfg = self._parse(body)
+            job, cfg = self._parse(body, prev, observed)
         except SpecError as err:
             observed.spec_issues = err.issues
+        except UnknownInstanceType as err:
+            observed.unknown_instance_type = str(err)
 
-        if job is not None:
-            if prev.get("phase") in TERMINAL:
-                # Finished: observe only, and only our own RayJob. Never re-create children KubeRay or a
-                # user cleaned up.
-                rj = self._get(RAYJOB, namespace, names["rayJob"])
-                if rj is not None and rj["metadata"].get("uid") == prev.get("rayJobUID") and owned_by(rj, meta["uid"]):
-                    observed.rayjob = rj
-            elif rayjob_held_suspended(prev, job.spec.suspend):
-                held = job.model_copy(update={"spec": job.spec.model_copy(update={"suspend": True})})
-                self._ensure_children(held, prev, names, observed, cfg)
-            else:
-                self._ensure_children(job, prev, names, observed, cfg)
+        if judged(prev) and (job is None or prev.get("phase") in TERMINAL or not prev.get("instance")
+                             and observed.instance is None):
+            # Row 24: a judged job whose spec or figures cannot be rendered any more (an operator upgrade's
+            # stricter model, an older status without figures whose type has none now), and every finished
+            # job: its own RayJob observed, nothing (re-)created or applied.
+            self._observe_recorded(namespace, name, names, prev, observed)
+        elif job is not None and rayjob_held_suspended(prev, job.spec.suspend):
+            held = job.model_copy(update={"spec": job.spec.model_copy(update={"suspend": True})})
+            self._ensure_children(held, prev, names, observed, cfg)
+        elif job is not None:
+            self._ensure_children(job, prev, names, observed, cfg)
 
-        if job is not None and observed.rayjob is not None:
+        if observed.rayjob is not None:
             cluster_name = (observed.rayjob.get("status") or {}).get("rayClusterName")
             observed.pods = pods_of(self._list(PODS, namespace, f"{JOB_LABEL}={name}"), observed.rayjob)
             if cluster_name and prev.get("phase") not in TERMINAL:
@@ -349,10 +351,10 @@ class Reconciler:
                       else self.kube.get(RAYCLUSTER, namespace, cluster_name))
                 if owned_by(rc, observed.rayjob["metadata"].get("uid") or ""):
                     observed.raycluster = rc
-            if prev.get("phase") not in TERMINAL and prev.get("phase") != Phase.running.value:
+            if job is not None and prev.get("phase") not in TERMINAL and prev.get("phase") != Phase.running.value:
                 # Capacity matters until the job runs: a running job's Capacity condition stays as it was.
                 observed.capacity = self._capacity(job, cfg)
-        elif job is not None and not observed.blocked and not observed.rayjob_lost:
+        elif job is not None and not observed.blocked and not observed.rayjob_lost and not judged(prev):
             observed.capacity = self._capacity(job, cfg)
 
         now = self.clock()
@@ -401,18 +403,59 @@ class Reconciler:
         self._stall_checks[(namespace, name)] = due
         self.requeue_after(namespace, name, left)
 
-    def _parse(self, body: Obj) -> tuple[s.FinetuneJob, RenderConfig]:
-        """Validate against the cluster's instance-type figures and allow-list (clusterconfig.py); the
-        render settings carry the same figures."""
-        if self.cluster_config is None:
-            return parse_job(job_document(body)), self.cfg
+    def _parse(self, body: Obj, prev: Obj, observed: Observed) -> tuple[s.FinetuneJob, RenderConfig]:
+        """The job and the render settings for it (transitions.py rows 1, 23, 24).
+
+        Not judged yet (no RayJob): validated against the instance-type figures (clusterconfig.py: built-in
+        table < the admin's ConfigMaps < the cluster's nodes) and the allow-list; the figures go to
+        `observed.instance`, to be recorded in status. Judged: never validated again; rendered from the
+        figures recorded in status (an older status without them: looked up, recorded if found)."""
+        doc = job_document(body)
         itype = str(((body.get("spec") or {}).get("cluster") or {}).get("instanceType") or s.DEFAULT_INSTANCE_TYPE)
-        table = self.cluster_config.instance_types(itype)
-        job = parse_job(job_document(body), table)
-        issues = policy_issues(job.spec, self.cluster_config.allow_list())
+        if judged(prev):
+            job = parse_model(doc)
+            recorded = prev.get("instance")
+            if recorded:
+                inst: it.InstanceType | None = InstanceFigures.model_validate(recorded).instance_type()
+            else:
+                inst = it.lookup(itype, self._table(itype))
+                observed.instance = InstanceFigures.of(inst).wire() if inst is not None else None
+            return job, dataclasses.replace(self.cfg, instance_types={itype: inst} if inst is not None else {})
+        table = self._table(itype)
+        job = parse_model(doc)
+        issues = policy_issues(job.spec, self.cluster_config.allow_list()) if self.cluster_config else []
         if issues:
             raise SpecError(issues)
-        return job, dataclasses.replace(self.cfg, instance_types=table)
+        inst = it.lookup(itype, table)
+        if inst is None:
+            raise UnknownInstanceType(unknown_type_message(itype, self.cluster_config.namespace if self.cluster_config
+                                                           else "finetune-system"))
+        errors = fit_issues(job.spec, table)
+        if errors:
+            raise SpecError(errors)
+        observed.instance = InstanceFigures.of(inst).wire()
+        return job, dataclasses.replace(self.cfg, instance_types={itype: inst})
+
+    def _table(self, itype: str) -> Mapping[str, it.InstanceType]:
+        if self.cluster_config is not None:
+            return self.cluster_config.instance_types(itype)
+        return it.INSTANCE_TYPES if self.cfg.instance_types is None else self.cfg.instance_types
+
+    def _observe_recorded(self, ns: str, name: str, names: dict[str, str], prev: Obj, observed: Observed) -> None:
+        """Look at the job's own RayJob only (row 24, and finished jobs): never create or apply anything."""
+        recorded = prev.get("rayJobUID")
+        rj = self._get(RAYJOB, ns, names["rayJob"])
+        if prev.get("phase") in TERMINAL:
+            # Finished: never re-create children KubeRay or a user cleaned up.
+            if rj is not None and rj["metadata"].get("uid") == recorded:
+                observed.rayjob = rj
+            return
+        if rj is None or rj["metadata"].get("uid") != recorded:
+            rj = self._get_live(RAYJOB, ns, names["rayJob"])  # lost only on the API server's word
+        if rj is None or rj["metadata"].get("uid") != recorded:
+            self._lost(ns, name, names, str(recorded), observed)
+            return
+        observed.rayjob = rj
 
     def _capacity(self, job: s.FinetuneJob, cfg: RenderConfig | None = None) -> Any:
         nodes = self._list(NODES, None, f"node.kubernetes.io/instance-type={job.spec.cluster.instance_type}")
@@ -439,6 +482,8 @@ class Reconciler:
             desired = render_children(job, self.runtime_files, cfg or self.cfg)
         except SpecError as err:
             observed.spec_issues = err.issues
+            if recorded:
+                observed.rayjob = rayjob_now  # row 24: a judged job is observed, not failed
             return
         for obj in [o for o in desired if is_shared(o)]:
             self.runtimes.ensure(obj)  # once per namespace and process

@@ -22,6 +22,7 @@ Obj = dict[str, Any]
 
 # Condition types, in the order they are listed.
 SPEC_VALID = "SpecValid"
+INSTANCE_TYPE_KNOWN = "InstanceTypeKnown"
 BLOCKED = "Blocked"
 RECONCILED = "Reconciled"
 CAPACITY = "CapacityAvailable"
@@ -33,7 +34,7 @@ COMPLETE = "Complete"
 FAILED = "Failed"
 NETWORK = "NetworkHealthy"
 STALLED = "Stalled"
-ORDER = [SPEC_VALID, RECONCILED, BLOCKED, CAPACITY, SCHEDULED, PODS_HEALTHY, RUNNING, STALLED, SUSPENDED, COMPLETE,
+ORDER = [SPEC_VALID, INSTANCE_TYPE_KNOWN, RECONCILED, BLOCKED, CAPACITY, SCHEDULED, PODS_HEALTHY, RUNNING, STALLED, SUSPENDED, COMPLETE,
          FAILED, NETWORK]
 
 STALL_FLOOR_SECONDS = 900.0  # never call a job hung sooner than this without an explicit timeout
@@ -59,12 +60,18 @@ class Observed:
     rayjob_lost: bool = False
     # The last status the watch saw of that RayJob (its DELETED event carries its final state).
     last_rayjob_status: Obj | None = None
+    # Judged before the RayJob exists: no figures for the instance type anywhere (built-in table, the admin's
+    # ConfigMaps, the cluster's nodes); the message says how to add them. The job waits (never terminal).
+    unknown_instance_type: str | None = None
+    # The instance-type figures the job is judged and rendered against (status.instance, on the wire):
+    # resolved while it has no RayJob, the recorded ones after.
+    instance: Obj | None = None
 
 
 # Carried over from the previous status untouched: progress (written by the progress flusher), the
 # recorded child UID and times.
 CARRIED = ("training", "network", "step", "runtimePhase", "rayJobUID", "startTime", "completionTime", "stallRestarts",
-           "stallRestartPending")
+           "stallRestartPending", "instance")
 # Written only by the progress flusher (never part of the reconcile's change detection).
 PROGRESS_FIELDS = ("training", "network", "step", "runtimePhase")
 

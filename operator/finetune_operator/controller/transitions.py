@@ -6,12 +6,15 @@ status if it changed, and carries out the decision's RayJob action; it decides n
 observations and the conditions that only report (network, capacity, scheduling, pod health) are in
 status.py.
 
-Rows 1-17 are tried in this order and the first that matches wins ("any": any phase that is not final);
-rows 18-21 then act on that outcome, and row 22 overrides every other row.
+Rows 1-17 (with 23 and 24, listed where they are tried) are tried in this order and the first that matches
+wins ("any": any phase that is not final; "unjudged": no RayJob recorded in status.rayJobUID and not final, see
+`judged`); rows 18-21 then act on that outcome, and row 22 overrides every other row.
 
 | #  | from                  | trigger                                                         | to           | condition=status (reason)                                            | RayJob action |
 | -- | --------------------- | --------------------------------------------------------------- | ------------ | -------------------------------------------------------------------- | ------------- |
-| 1  | any                   | spec invalid (schema, instance type, allow-list)                | Failed       | SpecValid=False, Failed=True (InvalidSpec)                           |               |
+| 1  | unjudged              | spec invalid (schema, instance-type fit, allow-list)            | Failed       | SpecValid=False, Failed=True (InvalidSpec)                           |               |
+| 23 | unjudged              | the instance type has no figures (table, ConfigMaps, nodes)     | Pending      | InstanceTypeKnown=False (UnknownInstanceType); True (Known) after    |               |
+| 24 | judged (RayJob recorded) | allow-list tightened, figures gone, spec no longer parses    | as rows 2-17 | none from the judgement: it is never made again                      |               |
 | 2  | any                   | a child's name is taken, or the API server refused a child      | Pending      | Blocked=True (WaitingForPreviousChild, ChildConflict, ChildRejected) |               |
 | 3  | any                   | recorded RayJob gone, its final state seen by the watch         | as 9, 10     | as 9, 10 (from that final state)                                     |               |
 | 4  | any                   | recorded RayJob gone, the training had reported Done            | Succeeded    | Complete=True (TrainingReportedDone)                                 |               |
@@ -34,13 +37,20 @@ rows 18-21 then act on that outcome, and row 22 overrides every other row.
 | 21 | Provisioning (row 11) | RayJob Suspended (KubeRay deleted the Ray cluster)              | Provisioning | Running=False (StallRestart); stallRestartPending cleared            | resume        |
 | 22 | Succeeded, Failed     | anything                                                        | unchanged    | unchanged (a verdict is final; only observedGeneration follows)      |               |
 
-Rows 1-17 are `derive_status` (what was observed); 18-22 are `decide` on top of it (the stall policy, the
+Rows 1-17, 23 and 24 are `derive_status` (what was observed); 18-22 are `decide` on top of it (the stall policy, the
 restart's resume, final verdicts). KubeRay's reason in row 10 is e.g. DeadlineExceeded
 (activeDeadlineSeconds) or AppFailed; BackoffLimitExceeded when retries ran out without one. stallPolicy
 Report stops at row 15. Row 21 also clears the mark without an action when the RayJob is already resumed
 (the resume went out, the status write after it did not). A phase left behind takes its conditions with
 it (Stalled leaves with Running, Blocked with Pending, ...). A reconcile that raises changes no phase: it
 records Reconciled=False (reconcile.py).
+
+Rows 1, 23 and 24: a job is judged (its spec, its instance-type figures and the allow-list) only while it has no
+RayJob; the figures it was judged against are recorded in status.instance and every later render of it uses
+those. Once judged, nothing the admin changes (the allow-list, the figures ConfigMaps, the nodes of its type)
+fails it: row 24 keeps deriving its phase from its RayJob. A job of an instance type nobody has figures for
+waits in row 23 (on a cluster that scales from zero there is no node to read them from) and is judged again
+when the operator's view of the figures refreshes.
 
 RayJob actions, carried out by the reconciler: `release` suspends the RayJob (KubeRay deletes the Ray
 cluster, the GPUs are free); `restart` suspends it too and posts a Warning Event StallRestart; `resume`
@@ -60,6 +70,7 @@ from .status import (
     CARRIED,
     COMPLETE,
     FAILED,
+    INSTANCE_TYPE_KNOWN,
     RECONCILED,
     RUNNING,
     SPEC_VALID,
@@ -92,6 +103,12 @@ class Decision:
     status: Obj  # the next status, on the wire (camelCase): compared with the previous one, patched if changed
     action: RayJobAction = RayJobAction.none
     stalled: bool = False  # the job counts as stalled (finetune_job_stalled): row 15 and not failed for it
+
+
+def judged(prev: Obj) -> bool:
+    """Whether the job was judged for good (rows 1, 23, 24): it has a RayJob recorded, or a final phase. A judged job's
+    spec is never checked against the allow-list or instance-type figures again."""
+    return bool(prev.get("rayJobUID")) or prev.get("phase") in TERMINAL
 
 
 def rayjob_held_suspended(prev: Obj, suspend: bool) -> bool:
@@ -162,12 +179,22 @@ def derive_status(
     status: Obj = {k: v for k, v in prev.items() if k in CARRIED}
     status.update(observedGeneration=generation, rayJobName=names["rayJob"])
 
-    if observed.spec_issues:  # row 1
+    if observed.instance is not None and not judged(prev):
+        status["instance"] = observed.instance  # fixed from here on: CARRIED once the RayJob is recorded
+    if observed.spec_issues and not judged(prev):  # row 1 (row 24: a judged job's issues are not its verdict)
         text = "; ".join(str(i) for i in observed.spec_issues)
         conds.set(SPEC_VALID, False, "InvalidSpec", text)
         conds.set(FAILED, True, "InvalidSpec", text)
         return _finish(status, conds, Phase.failed, f"invalid spec: {text}")
-    conds.set(SPEC_VALID, True, "Valid", "spec is valid for the instance type")
+    if observed.unknown_instance_type and not judged(prev):  # row 23
+        conds.set(INSTANCE_TYPE_KNOWN, False, "UnknownInstanceType", observed.unknown_instance_type)
+        conds.drop(RECONCILED, BLOCKED, RUNNING)
+        return _finish(status, conds, Phase.pending, observed.unknown_instance_type[:300])
+    if conds.has(INSTANCE_TYPE_KNOWN):
+        source = (status.get("instance") or {}).get("source") or "the cluster"
+        conds.set(INSTANCE_TYPE_KNOWN, True, "Known", f"figures from {source}")
+    if not observed.spec_issues:
+        conds.set(SPEC_VALID, True, "Valid", "spec is valid for the instance type")
     conds.drop(RECONCILED)  # this derivation is the outcome of a reconcile that did not fail
     if observed.blocked:  # row 2
         reason, message = observed.blocked
