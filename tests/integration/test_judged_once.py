@@ -56,11 +56,14 @@ def phases(kube: Kube, ns: str, want: dict[str, str]) -> bool:
 @pytest.mark.usefixtures("ray_dashboard")
 def test_a_tightened_allow_list_fails_no_running_or_finished_job(kube: Kube, namespace: str,
                                                                  operator: OperatorProcess) -> None:
-    create(kube, namespace, ftj("runs"))
+    # One after the other: the dev cluster holds one Ray head at a time (KubeRay deletes a finished job's
+    # cluster at once: ttlSecondsAfterFinished 0).
     create(kube, namespace, ftj("done"))
-    wait_for("both Running", lambda: phases(kube, namespace, {"runs": "Running", "done": "Running"}), timeout=120)
+    wait_for("done Running", lambda: phase_is(kube, namespace, "done", "Running"), timeout=120)
     complete_rayjob(kube, namespace, "done")
     wait_for("done Succeeded", lambda: phase_is(kube, namespace, "done", "Succeeded"), timeout=60)
+    create(kube, namespace, ftj("runs"))
+    wait_for("runs Running", lambda: phase_is(kube, namespace, "runs", "Running"), timeout=120)
     before = rayjob(kube, namespace, "runs")
     assert before is not None
 
