@@ -15,6 +15,7 @@ from typing import Any
 from urllib.parse import quote, urlencode
 
 from kubernetes import client, config
+from urllib3.util.retry import Retry
 
 from ..api import spec as s
 from ..render.config import FIELD_MANAGER
@@ -31,9 +32,12 @@ class NotLeader(Exception):
 
 
 class ApiError(Exception):
-    def __init__(self, status: int, body: str, what: str):
+    def __init__(self, status: int, body: str, what: str, retry_after: float | None = None):
         self.status = status
         self.body = body
+        # Seconds the server asked us to wait (Retry-After on a 429 from API Priority and Fairness, or on a
+        # 503/504 of an overloaded server); None when it did not say.
+        self.retry_after = retry_after
         try:
             self.message = json.loads(body).get("message", body)
         except (ValueError, AttributeError):
@@ -55,16 +59,33 @@ class Conflict(ApiError):
         self.current = current
 
 
-def load_config(kubeconfig: str | None = None) -> client.ApiClient:
-    if kubeconfig:
-        cfg = client.Configuration()
-        config.load_kube_config(config_file=kubeconfig, client_configuration=cfg)
-        return client.ApiClient(cfg)
+def parse_retry_after(value: str | None) -> float | None:
+    """Retry-After in seconds (the API server sends whole seconds; an HTTP date is not expected from it)."""
     try:
-        config.load_incluster_config()
-    except config.ConfigException:
-        config.load_kube_config()
-    return client.ApiClient()
+        seconds = float(value) if value is not None else None
+    except ValueError:
+        return None
+    return seconds if seconds is not None and seconds >= 0 else None
+
+
+# Retries inside urllib3, per request: none. Its default, Retry(3), tried a request that timed out or lost
+# its connection three more times, each with the full timeout, so one call could last 4 x Kube.timeout and
+# outlive the leader Lease it began under (leader.py's arithmetic assumes one timeout per call). Every
+# caller here has its own retry with backoff: the work queue, the flusher, the leader loop.
+URLLIB3_RETRIES = Retry(total=0)
+
+
+def load_config(kubeconfig: str | None = None) -> client.ApiClient:
+    cfg = client.Configuration()
+    if kubeconfig:
+        config.load_kube_config(config_file=kubeconfig, client_configuration=cfg)
+    else:
+        try:
+            config.load_incluster_config(client_configuration=cfg)
+        except config.ConfigException:
+            config.load_kube_config(client_configuration=cfg)
+    cfg.retries = URLLIB3_RETRIES
+    return client.ApiClient(cfg)
 
 
 def _path(gvr: tuple[str, str, str], namespace: str | None, name: str | None = None, sub: str | None = None) -> str:
@@ -140,7 +161,8 @@ class Kube:
         raw = resp.read()
         text = raw.decode() if isinstance(raw, bytes) else str(raw or "")
         if resp.status >= 400:
-            raise ApiError(resp.status, text, what or f"{method} {path}")
+            raise ApiError(resp.status, text, what or f"{method} {path}",
+                           retry_after=parse_retry_after(resp.getheader("Retry-After")))
         return json.loads(text) if text else {}
 
     def _write(self, verb: str, kind: str, method: str, path: str, fenced: bool = True, **kw: Any) -> Obj:
