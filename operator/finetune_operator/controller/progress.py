@@ -12,6 +12,12 @@ Updates are coalesced: the latest report per job is kept in memory and written t
 if the job's last write is at least a flush interval ago, else when it is (per job, leading edge): a
 report at the runtime's pace (one per 5 s at most) shows in `kubectl get` within a round trip, and a
 chatty trainer still costs one PATCH per interval, not one per step.
+
+A failed write is tried again after a backoff of its own job's (`retry_delay`: the flush interval,
+doubling with each failure in a row up to RETRY_CAP_SECONDS, shortened by a little jitter, or the
+server's Retry-After if that is longer; never sooner than the flush interval); the first success resets it. (Retried at once, a job sent 355 PATCHes in 2 s into API Priority and
+Fairness 429s.) While this replica may not write (leader.py's fencing: the Lease is lost or about to be),
+nothing is written and nothing is tried: reports stay pending, and the loop sleeps until it may again.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import functools
 import hashlib
 import json
 import logging
+import random
 import threading
 import time
 from collections.abc import Callable
@@ -44,6 +51,22 @@ log = logging.getLogger("finetune.progress")
 AUDIENCE_PREFIX = "finetune.dev/progress/"
 MAX_BODY = 64 * 1024
 FLUSH_WORKERS = 8  # concurrent status patches (the API client pools 5 connections per core)
+RETRY_CAP_SECONDS = 60.0  # the longest backoff (a Retry-After may ask for longer, up to RETRY_AFTER_MAX)
+RETRY_AFTER_MAX_SECONDS = 300.0
+RETRY_JITTER = 0.2  # a delay is shortened by up to this fraction, so jobs that failed together spread out
+NOT_LEADER_POLL_SECONDS = 1.0  # how often a replica that may not write looks again (no request is made)
+
+
+def retry_delay(failures: int, retry_after: float | None, jitter: float, base: float) -> float:
+    """Seconds before the next write of a job whose last `failures` (>= 1) writes failed in a row.
+
+    Exponential (`base` x 2^(failures-1), capped), shortened by `jitter` (0..1, from the random source)
+    times RETRY_JITTER; the server's Retry-After wins when it asks for longer."""
+    backoff = min(RETRY_CAP_SECONDS, base * 2.0 ** min(failures - 1, 32))
+    backoff *= 1.0 - RETRY_JITTER * min(max(jitter, 0.0), 1.0)
+    if retry_after is not None:
+        backoff = max(backoff, min(retry_after, RETRY_AFTER_MAX_SECONDS))
+    return backoff
 
 
 def unverified_audiences(token: str) -> list[str]:
@@ -77,6 +100,8 @@ class _Pending:
     # the write instead, every write's own latency would push the next one later: a trainer reporting once
     # per interval would see its reports wait longer and longer.)
     last_flush: float = float("-inf")
+    failures: int = 0  # writes that failed in a row
+    retry_at: float = float("-inf")  # monotonic: no write before this (the backoff after a failure)
 
 
 def _merge(a: dict[str, Any], b: dict[str, Any] | None) -> dict[str, Any]:
@@ -112,6 +137,8 @@ class ProgressServer:
         current_uid: Callable[[str, str], str | None] = lambda ns, name: None,
         current_version: Callable[[str, str], str | None] = lambda ns, name: None,
         get_pod: Callable[[str, str], dict[str, Any] | None] | None = None,
+        monotonic: Callable[[], float] | None = None,
+        jitter: Callable[[], float] = random.random,
     ):
         from .reconcile import utcnow
 
@@ -135,6 +162,10 @@ class ProgressServer:
         self._loop: asyncio.AbstractEventLoop | None = None
         self.auth_cache_seconds = auth_cache_seconds
         self.clock = clock or utcnow
+        # Injected in tests (a fake clock, a fixed jitter); looked up at each call otherwise.
+        self._monotonic = monotonic or (lambda: time.monotonic())
+        self._jitter = jitter
+        self.write_failures = 0  # failed status writes (each followed by a backoff of its job's)
         self.pending: dict[tuple[str, str], _Pending] = {}
         self.limits = limits or Limits(accepted_ttl=auth_cache_seconds)
         # Verdicts by token (bounded, expiring): accepted ones spare genuine pods a TokenReview per report,
@@ -245,7 +276,7 @@ class ProgressServer:
         if report.phase and report.rank == 0:
             p.runtime_phase = report.phase  # kept: decides the outcome if the RayJob vanishes unobserved
         p.dirty = True
-        p.received = time.monotonic()
+        p.received = self._monotonic()
         self.metrics.observe_progress(namespace, name, training, network)
         self._signal()
 
@@ -289,15 +320,26 @@ class ProgressServer:
     def forget(self, namespace: str, name: str) -> None:
         self.pending.pop((namespace, name), None)
 
+    def may_write(self) -> bool:
+        """Whether this replica may write now (leader.py's fencing, via the client); no request is made."""
+        check = getattr(self.kube, "may_write", None)
+        return check is None or bool(check())
+
+    def _due(self, p: _Pending, now: float) -> bool:
+        return p.dirty and now - p.last_flush >= self.flush_interval and now >= p.retry_at
+
     def flush_once(self, due_only: bool = False) -> int:
         """Write every job's latest progress into its status (`due_only`: only jobs whose last write is a
-        flush interval ago); returns how many jobs were patched.
+        flush interval ago and whose backoff after a failure has run out); returns how many jobs were patched.
+        Nothing while this replica may not write.
 
         The patches go out FLUSH_WORKERS at a time: one after the other, 100 reporting jobs took one
         flush about 15 s on a loaded dev cluster (each patch a round trip), far beyond the interval."""
-        now = time.monotonic()
+        if not self.may_write():
+            return 0
+        now = self._monotonic()
         dirty = [(key, p) for key, p in list(self.pending.items())
-                 if p.dirty and (not due_only or now - p.last_flush >= self.flush_interval)]
+                 if p.dirty and (not due_only or self._due(p, now))]
         if not dirty:
             return 0
         if len(dirty) == 1:
@@ -305,12 +347,22 @@ class ProgressServer:
         with ThreadPoolExecutor(max_workers=min(FLUSH_WORKERS, len(dirty)), thread_name_prefix="progress-flush") as pool:
             return sum(pool.map(lambda kp: self._flush_one(*kp), dirty))
 
+    def _failed(self, key: tuple[str, str], p: _Pending, err: BaseException, retry_after: float | None = None) -> None:
+        """A write of this job's failed: keep the report, and try again only after the job's backoff."""
+        p.dirty = True
+        p.failures += 1
+        self.write_failures += 1
+        delay = retry_delay(p.failures, retry_after, self._jitter(), self.flush_interval)
+        p.retry_at = self._monotonic() + delay
+        log.warning("progress for %s/%s not written (failure %d in a row; next try in %.1fs): %s",
+                    *key, p.failures, delay, err)
+
     def _flush_one(self, key: tuple[str, str], p: _Pending) -> bool:
         from .k8s import ApiError, Conflict, NotLeader, ObjectReplaced
 
         ns, name = key
         p.dirty = False
-        p.last_flush = p.received if p.received > float("-inf") else time.monotonic()
+        p.last_flush = p.received if p.received > float("-inf") else self._monotonic()
         patch: dict[str, Any] = {}
         if p.training:
             patch["training"] = dict(p.training)
@@ -332,19 +384,18 @@ class ProgressServer:
                 self.conflicts += 1
                 self.kube.patch_status(ns, name, patch, uid=p.uid,
                                        resource_version=err.current["metadata"].get("resourceVersion"))
-        except NotLeader as err:  # deposed (the process is on its way out): the report stays unwritten
-            p.dirty = True
-            log.warning("progress for %s/%s not written: %s", ns, name, err)
+        except NotLeader as err:  # deposed: the report stays unwritten; the loop stops trying (may_write)
+            self._failed(key, p, err)
             return False
         except ApiError as err:
             if err.status == 404 or isinstance(err, ObjectReplaced):
                 self.forget(ns, name)
                 return False
-            p.dirty = True
-            log.warning("progress flush for %s/%s failed: %s", ns, name, err)
+            self._failed(key, p, err, err.retry_after)
             return False
+        p.failures, p.retry_at = 0, float("-inf")
         if p.received > float("-inf"):
-            self.metrics.progress_write_delay.observe(time.monotonic() - p.last_flush)
+            self.metrics.progress_write_delay.observe(self._monotonic() - p.last_flush)
         # Only the network figures feed a condition (NetworkHealthy); step/loss do not, so a
         # reconcile after every flush would be wasted work at scale.
         if p.network != p.flushed_network:
@@ -355,10 +406,20 @@ class ProgressServer:
     def _next_due(self, busy: set[tuple[str, str]] | frozenset[tuple[str, str]] = frozenset()) -> float | None:
         """Seconds until the next dirty job may be written (0: now), None if nothing is dirty. Jobs in `busy`
         (a write of theirs is under way) are not counted."""
-        now = time.monotonic()
-        waits = [max(0.0, p.last_flush + self.flush_interval - now) for key, p in list(self.pending.items())
-                 if p.dirty and key not in busy]
+        now = self._monotonic()
+        waits = [max(0.0, p.last_flush + self.flush_interval - now, p.retry_at - now)
+                 for key, p in list(self.pending.items()) if p.dirty and key not in busy]
         return min(waits) if waits else None
+
+    def dispatch_due(self, busy: set[tuple[str, str]]) -> list[tuple[tuple[str, str], _Pending]]:
+        """The jobs whose write may start now (due, none of theirs under way); none while this replica may
+        not write. They are marked busy."""
+        if not self.may_write():
+            return []
+        now = self._monotonic()
+        due = [(key, p) for key, p in list(self.pending.items()) if key not in busy and self._due(p, now)]
+        busy.update(key for key, _ in due)
+        return due
 
     async def flush_forever(self) -> None:
         """Write each job's progress as soon as it is allowed to (see the module doc), woken by reports.
@@ -375,24 +436,24 @@ class ProgressServer:
         def finished(key: tuple[str, str], p: _Pending, fut: asyncio.Future[bool]) -> None:  # on the loop
             busy.discard(key)
             if not fut.cancelled() and fut.exception() is not None:
-                # Not an API answer (those _flush_one handles): try again an interval later.
-                log.warning("progress flush for %s/%s failed: %s", *key, fut.exception())
-                p.dirty, p.last_flush = True, time.monotonic()
+                # Not an API answer (those _flush_one handles): a connection error, a timeout. Backs off too.
+                self._failed(key, p, fut.exception() or RuntimeError("unknown"))
             wake.set()
 
         try:
             while True:
                 wake.clear()  # before looking: a report or a finished write from here on wakes the wait below
-                now = time.monotonic()
-                for key, p in list(self.pending.items()):
-                    if p.dirty and key not in busy and now - p.last_flush >= self.flush_interval:
-                        busy.add(key)
-                        fut = loop.run_in_executor(pool, self._flush_one, key, p)
-                        fut.add_done_callback(functools.partial(finished, key, p))
-                wait = self._next_due(busy)
-                if wait is not None and wait <= 0:
-                    await asyncio.sleep(0)  # fell due just now: dispatched on the next pass
-                    continue
+                for key, p in self.dispatch_due(busy):
+                    fut = loop.run_in_executor(pool, self._flush_one, key, p)
+                    fut.add_done_callback(functools.partial(finished, key, p))
+                if not self.may_write():
+                    # Not the leader (or no longer surely): no write, no retry; look again a while later.
+                    wait: float | None = NOT_LEADER_POLL_SECONDS
+                else:
+                    wait = self._next_due(busy)
+                    if wait is not None and wait <= 0:
+                        await asyncio.sleep(0)  # fell due just now: dispatched on the next pass
+                        continue
                 try:
                     await asyncio.wait_for(wake.wait(), timeout=wait if wait is not None else self.flush_interval)
                 except TimeoutError:
