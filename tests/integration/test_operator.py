@@ -13,7 +13,7 @@ from kubernetes import client
 from kubernetes.client.rest import ApiException
 
 from tests.builders import example, ftj
-from tests.integration.conftest import Kube, wait_for
+from tests.integration.conftest import Kube, create_namespace, wait_for
 from tests.integration.operator_fixtures import OperatorProcess, service_account_kubeconfig
 from tests.integration.support import (
     LEASE_NS,
@@ -566,6 +566,42 @@ def test_runtime_config_map_is_shared_immutable_and_collected_with_its_last_job(
     assert names() == {cm.metadata.name, legacy.metadata.name}
     kube.custom.delete_namespaced_custom_object(G, V, namespace, P, "two")
     wait_for("runtime ConfigMaps collected with their last job", lambda: names() == set(), timeout=120)
+
+
+def test_a_runtime_config_map_deleted_behind_the_operators_back_is_created_again(
+        kube: Kube, namespace: str, operator: OperatorProcess) -> None:
+    """The operator used to remember a runtime ConfigMap it had created for good: after
+    `kubectl delete cm -l finetune.dev/runtime`, or the namespace deleted and re-created under its name, the
+    next job's pods waited in FailedMount for ever. Now a job that has no RayJob yet asks the API server
+    (controller/runtime_configmaps.py). kwok's pods mount nothing, so the test checks the ConfigMap itself."""
+    def runtime_cms() -> list[str]:
+        return [c.metadata.name for c in kube.core.list_namespaced_config_map(
+            namespace, label_selector="finetune.dev/runtime").items]
+
+    create(kube, namespace, ftj("one"))
+    (first,) = wait_for("the runtime ConfigMap of the first job",
+                        lambda: runtime_cms() if runtime_cms() and rayjobs(kube, namespace) else None, timeout=60)  # type: ignore[misc]
+    # The documented clean-up, while job "one" still exists (no deletion the operator would see).
+    kube.core.delete_collection_namespaced_config_map(namespace, label_selector="finetune.dev/runtime")
+    wait_for("runtime ConfigMaps deleted", lambda: not runtime_cms(), timeout=30)
+    create(kube, namespace, ftj("two"))
+    wait_for("the runtime ConfigMap created again for the next job", lambda: runtime_cms() == [first], timeout=30)
+    wait_for("the second job's RayJob", lambda: len(rayjobs(kube, namespace)) == 2, timeout=30)
+
+    # The namespace deleted and re-created under the same name (per-PR namespaces, Argo CD).
+    kube.core.delete_namespace(namespace)
+
+    def gone() -> bool:
+        try:
+            kube.core.read_namespace(namespace)
+            return False
+        except ApiException as e:
+            return e.status == 404
+
+    wait_for(f"namespace {namespace} deleted", gone, timeout=90)
+    create_namespace(kube.core, namespace, timeout=30)
+    create(kube, namespace, ftj("three"))
+    wait_for("the runtime ConfigMap created in the re-created namespace", lambda: runtime_cms() == [first], timeout=30)
 
 
 # The module's operator runs with the runner's default --lease-duration (30 s): it renews every third of it,

@@ -12,6 +12,9 @@ Obj = dict[str, Any]
 
 
 class Recorder:
+    """The namespace's ConfigMaps as the API server has them (`cms`; a test deletes from it to act as
+    someone else), and what the rules asked for."""
+
     def __init__(self, cms: list[Obj]):
         self.cms = cms
         self.deleted: list[tuple[str, str | None]] = []
@@ -23,13 +26,16 @@ class Recorder:
 
     def delete(self, gvr: Any, namespace: str, name: str, kind: str, uid: str | None = None) -> None:
         self.deleted.append((name, uid))
+        self.cms[:] = [c for c in self.cms if c["metadata"]["name"] != name]
 
-    def get(self, gvr: Any, namespace: str | None, name: str) -> Obj | None:
+    def get_metadata(self, gvr: Any, namespace: str | None, name: str) -> Obj | None:
         self.gets += 1
-        return None
+        return next(({"metadata": c["metadata"]} for c in self.cms
+                     if (c["metadata"]["namespace"], c["metadata"]["name"]) == (namespace, name)), None)
 
     def create(self, gvr: Any, namespace: str | None, body: Obj, kind: str) -> Obj:
         self.created.append(body["metadata"]["name"])
+        self.cms.append(body)
         return body
 
 
@@ -74,7 +80,7 @@ def test_a_runtime_with_owners_is_the_garbage_collectors() -> None:
 
 
 def test_ensure_asks_once_and_again_after_a_collection() -> None:
-    kube = Recorder([cm("cur")])
+    kube = Recorder([])
     runtimes = Runtimes(kube)  # type: ignore[arg-type]
     obj = cm("cur")
     runtimes.ensure(obj)
@@ -83,3 +89,27 @@ def test_ensure_asks_once_and_again_after_a_collection() -> None:
     runtimes.collect("ns", [], [], "cur")
     runtimes.ensure(obj)  # collected: this process no longer assumes it is there
     assert kube.gets == 2 and kube.created == ["finetune-runtime-cur"] * 2
+
+
+def test_a_verifying_ensure_creates_again_what_someone_else_deleted() -> None:
+    """`kubectl delete cm -l finetune.dev/runtime`, or the namespace deleted and re-created: this process
+    still knew the ConfigMap. Without verify it trusts that (no request); verify asks, and creates it."""
+    kube = Recorder([])
+    runtimes = Runtimes(kube)  # type: ignore[arg-type]
+    assert runtimes.ensure(cm("cur")) is True
+    kube.cms.clear()  # deleted behind the operator's back
+    assert runtimes.ensure(cm("cur")) is False and kube.gets == 1  # known: trusted, no request
+    assert runtimes.ensure(cm("cur"), verify=True) is True
+    assert (kube.gets, kube.created, runtimes.recreated) == (2, ["finetune-runtime-cur"] * 2, 1)
+    assert runtimes.ensure(cm("cur"), verify=True) is False and kube.gets == 3  # there: no create
+
+
+def test_a_collection_forgets_what_its_listing_lacks() -> None:
+    """The namespace was deleted and re-created: its jobs' DELETED events bring a collection, which finds
+    no runtime ConfigMap there; the next job's ensure asks again instead of trusting what it knew."""
+    kube = Recorder([])
+    runtimes = Runtimes(kube)  # type: ignore[arg-type]
+    runtimes.ensure(cm("cur"))
+    kube.cms.clear()
+    assert runtimes.collect("ns", [], [], "cur") == []
+    assert runtimes.ensure(cm("cur")) is True and kube.created == ["finetune-runtime-cur"] * 2

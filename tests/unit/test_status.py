@@ -438,3 +438,41 @@ def test_starting_until_ray_runs_the_job_or_the_training_reports_from_this_clust
     # An image that cannot be pulled says so instead of "starting".
     broken = derive(Observed(rayjob=rayjob("Running", ""), raycluster=cluster, pods=[pod("j-head", "head", waiting="ErrImagePull")]))
     assert broken["phase"] == "Provisioning" and "ErrImagePull" in broken["message"]
+
+
+def creating(name: str, scheduled_at: str) -> dict[str, Any]:
+    """A pod scheduled at `scheduled_at` whose container the kubelet has not created yet."""
+    return {"metadata": {"name": name, "labels": {"ray.io/node-type": "worker"}, "creationTimestamp": scheduled_at},
+            "status": {"conditions": [{"type": "PodScheduled", "status": "True", "lastTransitionTime": scheduled_at}],
+                       "containerStatuses": [{"name": "ray-worker", "state": {"waiting": {"reason": "ContainerCreating"}}}]}}
+
+
+MOUNT = ("FailedMount", 'MountVolume.SetUp failed for volume "runtime" : configmap "finetune-runtime-abc" not found')
+STUCK = [
+    # (id, scheduled at, events, PodsHealthy status, reason, in the message)
+    ("slow-not-stuck", "2026-12-02T09:58:00Z", {}, "True", "ContainersOK", "no image pull"),
+    ("stuck-failed-mount", "2026-12-02T09:55:00Z", {"w-0": MOUNT}, "False", "FailedMount", 'configmap "finetune-runtime-abc" not found'),
+    ("stuck-other-warning", "2026-12-02T09:55:00Z", {"w-0": ("FailedCreatePodSandBox", "cni timeout")}, "False",
+     "ContainerCreating", "FailedCreatePodSandBox: cni timeout"),
+    ("stuck-no-events", "2026-12-02T09:55:00Z", {}, "False", "ContainerCreating", "kubectl describe pod"),
+]
+
+
+@pytest.mark.parametrize(("scheduled", "events", "ok", "reason", "text"), [s[1:] for s in STUCK], ids=[s[0] for s in STUCK])
+def test_a_pod_stuck_in_container_creating_is_surfaced_with_its_own_message(
+        scheduled: str, events: dict[str, tuple[str, str]], ok: str, reason: str, text: str) -> None:
+    """A deleted runtime ConfigMap kept pods in FailedMount, shown only as "waiting for the Ray cluster (0/2)"."""
+    st = derive(Observed(rayjob=rayjob("Initializing"), pods=[creating("w-0", scheduled)], pod_events=events))
+    c = cond(st, "PodsHealthy")
+    assert (c["status"], c["reason"]) == (ok, reason) and text in c["message"], c
+    if ok == "False":
+        assert st["phase"] == "Provisioning" and text in st["message"] and "300s after scheduling" in st["message"]
+
+
+def test_stuck_creating_ages() -> None:
+    from finetune_operator.controller.status import stuck_creating
+
+    unscheduled = {"metadata": {"name": "p", "creationTimestamp": "2026-12-02T09:59:00Z"},
+                   "status": {"containerStatuses": [{"state": {"waiting": {"reason": "ContainerCreating"}}}]}}
+    running = {"metadata": {"name": "r"}, "status": {"containerStatuses": [{"state": {"running": {}}}]}}
+    assert stuck_creating([creating("w", "2026-12-02T09:55:00Z"), unscheduled, running], NOW) == {"w": 300.0, "p": 60.0}

@@ -150,8 +150,9 @@ class Kube:
         content_type: str = "application/json",
         query: dict[str, Any] | None = None,
         what: str = "",
+        accept: str = "application/json",
     ) -> Obj:
-        headers = {"Accept": "application/json", "Content-Type": content_type}
+        headers = {"Accept": accept, "Content-Type": content_type}
         method_, url, headers, _, _ = self.api.param_serialize(
             method=method, resource_path=path, header_params=headers, auth_settings=["BearerToken"]
         )
@@ -187,6 +188,26 @@ class Kube:
             if err.status == 404 and _object_not_found(err.body):
                 return None
             raise  # a 404 for the resource type itself (e.g. the KubeRay CRDs are missing) is an error
+
+    def get_metadata(self, gvr: tuple[str, str, str], namespace: str | None, name: str) -> Obj | None:
+        """The object's metadata only (a PartialObjectMetadata): whether it exists, without its data (a
+        runtime ConfigMap is ~200 KB)."""
+        self._read("get", gvr)
+        try:
+            return self.request("GET", _path(gvr, namespace, name),
+                                accept="application/json;as=PartialObjectMetadata;g=meta.k8s.io;v=v1")
+        except ApiError as err:
+            if err.status == 404 and _object_not_found(err.body):
+                return None
+            raise
+
+    def list_events(self, namespace: str, kind: str, name: str) -> list[Obj]:
+        """The core/v1 Events about one object (a pod's FailedMount, say), oldest first."""
+        self._read("list", EVENTS)
+        out = self.request("GET", _path(EVENTS, namespace),
+                           query={"fieldSelector": f"involvedObject.kind={kind},involvedObject.name={name}"})
+        items = list(out.get("items") or [])
+        return sorted(items, key=lambda e: str(e.get("lastTimestamp") or e.get("eventTime") or ""))
 
     def list_objects(self, gvr: tuple[str, str, str], namespace: str | None = None, selector: str | None = None) -> list[Obj]:
         return self.list_with_version(gvr, namespace, selector)[0]

@@ -33,6 +33,7 @@ from .metrics import Metrics
 from .runtime_configmaps import RUNTIMES_KEY, Runtimes
 from .status import (
     BLOCKED,
+    CREATING_STUCK_SECONDS,
     PROGRESS_FIELDS,
     RECONCILED,
     RUNNING,
@@ -41,6 +42,7 @@ from .status import (
     pods_of,
     seconds_until_stall,
     set_condition,
+    stuck_creating,
 )
 from .transitions import TERMINAL, RayJobAction, decide, judged, rayjob_held_suspended
 
@@ -345,6 +347,7 @@ class Reconciler:
         if observed.rayjob is not None:
             cluster_name = (observed.rayjob.get("status") or {}).get("rayClusterName")
             observed.pods = pods_of(self._list(PODS, namespace, f"{JOB_LABEL}={name}"), observed.rayjob)
+            observed.pod_events = self._stuck_pod_events(namespace, name, observed.pods)
             if cluster_name and prev.get("phase") not in TERMINAL:
                 # Observed only (never created or judged lost): from the cache; not seen yet -> waited for.
                 rc = (self.cache.lookup(RAYCLUSTER, namespace, cluster_name) if self.cache
@@ -390,6 +393,27 @@ class Reconciler:
             self.requeue_after(namespace, name, BLOCKED_REQUEUE_SECONDS)
         self._schedule_stall_check(namespace, name, new, now, policy.timeout_seconds if policy else None)
         return phase
+
+    def _stuck_pod_events(self, namespace: str, name: str, pods: list[Obj]) -> dict[str, tuple[str, str]]:
+        """The latest Warning Event of each pod stuck in ContainerCreating (status.CREATING_STUCK_SECONDS; at
+        most 3 pods read); a pod not stuck that long yet brings a look when it would be. Nothing else
+        changes on the pod while the kubelet retries a mount, so no watch event would."""
+        out: dict[str, tuple[str, str]] = {}
+        for pod_name, age in sorted(stuck_creating(pods, self.clock()).items()):
+            if age < CREATING_STUCK_SECONDS:
+                self.requeue_after(namespace, name, CREATING_STUCK_SECONDS - age + 1.0)
+                continue
+            if len(out) >= 3:
+                break
+            try:
+                events = self.kube.list_events(namespace, "Pod", pod_name)
+            except ApiError as err:  # best effort (no RBAC to list Events, say): the status says less
+                log.info("%s/%s: events of pod %s not read: %s", namespace, name, pod_name, err)
+                continue
+            warnings = [e for e in events if e.get("type") == "Warning"]
+            if warnings:
+                out[pod_name] = (str(warnings[-1].get("reason") or ""), str(warnings[-1].get("message") or ""))
+        return out
 
     def _schedule_stall_check(self, namespace: str, name: str, status: Obj, now: str, timeout: int | None) -> None:
         """Look again when the job would turn Stalled if no report arrives (at most one timer per job)."""
@@ -485,8 +509,13 @@ class Reconciler:
             if recorded:
                 observed.rayjob = rayjob_now  # row 24: a judged job is observed, not failed
             return
+        # The runtime ConfigMap may have gone behind this process's back (runtime_configmaps.py): ask the API
+        # server before the pods that mount it exist (no RayJob yet) and while a pod of the job waits to be
+        # created (a missing ConfigMap keeps it in ContainerCreating: FailedMount); else trust what is known.
+        verify = ((not recorded and self._peek(RAYJOB, ns, names["rayJob"]) is None)
+                  or bool(stuck_creating(self._list(PODS, ns, f"{JOB_LABEL}={job.metadata.name}"), self.clock())))
         for obj in [o for o in desired if is_shared(o)]:
-            self.runtimes.ensure(obj)  # once per namespace and process
+            self.runtimes.ensure(obj, verify=verify)
         desired = [o for o in desired if not is_shared(o)]
         # The RayJob observed above is the one judged: a second GET could see it gone and lead to its
         # re-creation (apply is create-or-update); the recorded UID in the apply body closes that race.

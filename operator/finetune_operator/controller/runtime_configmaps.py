@@ -13,9 +13,16 @@ keeps handling it.
 
 `ensure` and `collect` of one namespace hold the same lock: a job's reconcile either finds the ConfigMap
 known (and `collect`, which runs later, sees that job in the cache and keeps it) or, after a collection,
-creates it again. Every reconcile of an unfinished job calls `ensure`, so a ConfigMap deleted while a job
-still needed it (a cache that had not seen the job yet) is back with that job's next reconcile; a pod
-that mounts it meanwhile waits (the kubelet retries the mount).
+creates it again.
+
+What this process knows to exist is only a hint: nothing watches ConfigMaps (a watch would stream every
+runtime ConfigMap's ~200 KB at each start), and a runtime ConfigMap can go without this process seeing it:
+its namespace deleted and re-created under the same name (per-PR namespaces, Argo CD), or
+`kubectl delete cm -l finetune.dev/runtime`. So `ensure(verify=True)` asks the API server (metadata only)
+and creates it again if it is missing; the reconciler verifies before the pods that will mount it exist (a
+job whose RayJob is not created yet) and whenever one of the job's pods waits in ContainerCreating (a
+missing ConfigMap shows as FailedMount there; the kubelet retries the mount, so the pod then starts). A
+`collect` forgets whatever its listing does not show.
 """
 
 from __future__ import annotations
@@ -42,26 +49,35 @@ class Runtimes:
         self._locks: dict[str, threading.Lock] = {}
         self._guard = threading.Lock()
         self.collected = 0
+        self.recreated = 0  # runtime ConfigMaps found missing though known, and created again
 
     def _lock(self, namespace: str) -> threading.Lock:
         with self._guard:
             return self._locks.setdefault(namespace, threading.Lock())
 
-    def ensure(self, obj: Obj) -> None:
-        """Create `obj` unless it exists. No request once this process knows it is there."""
+    def ensure(self, obj: Obj, verify: bool = False) -> bool:
+        """Create `obj` unless it exists; returns whether it created it. No request once this process knows it
+        is there, unless `verify`: then one GET of its metadata (see the module doc)."""
         meta = obj["metadata"]
         ns, name = meta.get("namespace") or "default", meta["name"]
         with self._lock(ns):
-            if (ns, name) in self._known:
-                return
+            if (ns, name) in self._known and not verify:
+                return False
             gvr = gvr_of(obj)
-            if self.kube.get(gvr, ns, name) is None:
+            created = False
+            if self.kube.get_metadata(gvr, ns, name) is None:
+                if (ns, name) in self._known:
+                    log.warning("%s: runtime ConfigMap %s was deleted behind the operator's back; creating it again",
+                                ns, name)
                 try:
                     self.kube.create(gvr, ns, obj, obj["kind"])
+                    created = True
+                    self.recreated += (ns, name) in self._known
                 except ApiError as err:
                     if err.status != 409:  # 409: created a moment ago by another process
                         raise
             self._known.add((ns, name))
+            return created
 
     def collect(self, namespace: str, jobs: list[Obj], holders: list[Obj], current: str) -> list[str]:
         """Delete the runtime ConfigMaps of `namespace` that nothing needs any more; returns their names.
@@ -81,7 +97,11 @@ class Runtimes:
                 if labels.get(RUNTIME_LABEL):
                     in_use.add(labels[RUNTIME_LABEL])
             deleted = []
-            for cm in self.kube.list_objects(CONFIGMAPS, namespace, RUNTIME_LABEL):
+            listed = self.kube.list_objects(CONFIGMAPS, namespace, RUNTIME_LABEL)
+            # What the listing lacks is gone (its namespace deleted and re-created, say): forget it.
+            present = {str((cm.get("metadata") or {}).get("name")) for cm in listed}
+            self._known -= {(ns, name) for ns, name in self._known if ns == namespace and name not in present}
+            for cm in listed:
                 meta = cm.get("metadata") or {}
                 labels = meta.get("labels") or {}
                 if meta.get("ownerReferences") or JOB_LABEL in labels or labels.get(RUNTIME_LABEL) in in_use:

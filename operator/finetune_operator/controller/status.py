@@ -43,6 +43,10 @@ _WATCHDOG = "watchdog caught collective operation timeout"
 
 _IMAGE_PULL = {"ErrImagePull", "ImagePullBackOff", "InvalidImageName", "ErrImageNeverPull"}
 _CRASH = {"CrashLoopBackOff", "CreateContainerConfigError", "CreateContainerError", "RunContainerError"}
+# A container still waiting in ContainerCreating this long after its pod was scheduled is stuck, not slow:
+# a volume that cannot be mounted (FailedMount: a missing ConfigMap or Secret), a CNI or device plugin that
+# does not answer. Its pod's own words are in its Events (Observed.pod_events), not in its status.
+CREATING_STUCK_SECONDS = 180.0
 
 
 @dataclass
@@ -66,6 +70,9 @@ class Observed:
     # The instance-type figures the job is judged and rendered against (status.instance, on the wire):
     # resolved while it has no RayJob, the recorded ones after.
     instance: Obj | None = None
+    # The latest Warning Event (reason, message) of each pod stuck in ContainerCreating (`stuck_creating`):
+    # FailedMount and its kind say there why the containers are not created.
+    pod_events: dict[str, tuple[str, str]] = field(default_factory=dict)
 
 
 # Carried over from the previous status untouched: progress (written by the progress flusher), the
@@ -117,10 +124,30 @@ class Conditions:
         return sorted(self.items, key=lambda c: ORDER.index(c["type"]) if c["type"] in ORDER else 99)
 
 
-def _pod_problems(pods: list[Obj]) -> tuple[list[str], list[tuple[str, str]]]:
+def stuck_creating(pods: list[Obj], now: str) -> dict[str, float]:
+    """The pods with a container waiting in ContainerCreating, and for how many seconds (since the pod was
+    scheduled, else created). The reconciler checks the runtime ConfigMap for any of them, and reads the
+    Events of those past CREATING_STUCK_SECONDS."""
+    t_now = parse_time(now)
+    out: dict[str, float] = {}
+    for pod in pods:
+        status = pod.get("status") or {}
+        statuses = (status.get("initContainerStatuses") or []) + (status.get("containerStatuses") or [])
+        if not any(((cs.get("state") or {}).get("waiting") or {}).get("reason") == "ContainerCreating" for cs in statuses):
+            continue
+        scheduled = next((c.get("lastTransitionTime") for c in status.get("conditions") or []
+                          if c.get("type") == "PodScheduled" and c.get("status") == "True"), None)
+        since = parse_time(scheduled or pod["metadata"].get("creationTimestamp"))
+        out[pod["metadata"]["name"]] = (t_now - since).total_seconds() if t_now and since else 0.0
+    return out
+
+
+def _pod_problems(pods: list[Obj], now: str = "",
+                  events: dict[str, tuple[str, str]] | None = None) -> tuple[list[str], list[tuple[str, str]]]:
     """(unschedulable messages, [(reason, message)] of container problems)."""
     unsched: list[str] = []
     broken: list[tuple[str, str]] = []
+    stuck = {name: age for name, age in stuck_creating(pods, now).items() if age >= CREATING_STUCK_SECONDS}
     for pod in sorted(pods, key=lambda p: p["metadata"]["name"]):
         name = pod["metadata"]["name"]
         status = pod.get("status") or {}
@@ -132,7 +159,21 @@ def _pod_problems(pods: list[Obj]) -> tuple[list[str], list[tuple[str, str]]]:
             reason = waiting.get("reason")
             if reason in _IMAGE_PULL or reason in _CRASH:
                 broken.append((reason, f"{name}/{cs.get('name')}: {reason}: {waiting.get('message', '')}".strip()))
+        if name in stuck:
+            why, said = (events or {}).get(name) or ("ContainerCreating", waiting_message(status))
+            broken.append((why if why == "FailedMount" else "ContainerCreating",
+                           f"{name}: containers not created {stuck[name]:.0f}s after scheduling: {why}: {said}"
+                           .rstrip(": ")))
     return unsched, broken
+
+
+def waiting_message(status: Obj) -> str:
+    """What a pod's status says about why it is not ready (ContainerCreating carries no message itself)."""
+    for cs in (status.get("initContainerStatuses") or []) + (status.get("containerStatuses") or []):
+        msg = ((cs.get("state") or {}).get("waiting") or {}).get("message")
+        if msg:
+            return str(msg)
+    return "no message in its status; see `kubectl describe pod` (its Events)"
 
 
 def _replica_failure(raycluster: Obj | None) -> tuple[str, str] | None:
@@ -272,7 +313,7 @@ def report_observations(conds: Conditions, network: Obj, observed: Observed) -> 
     if observed.capacity is not None:
         cap = observed.capacity
         conds.set(CAPACITY, cap.fits, cap.reason, cap.message)
-    unsched, broken = _pod_problems(observed.pods)
+    unsched, broken = _pod_problems(observed.pods, conds.now, observed.pod_events)
     worker_pods = [p for p in observed.pods if (p["metadata"].get("labels") or {}).get("ray.io/node-type") == "worker"]
     if unsched:
         conds.set(SCHEDULED, False, "Unschedulable", "; ".join(unsched)[:1000])

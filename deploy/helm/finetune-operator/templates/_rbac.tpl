@@ -19,7 +19,7 @@
   verbs: ["get", "list", "watch"]
 - apiGroups: ["", "events.k8s.io"]
   resources: ["events"]
-  verbs: ["create", "patch"]
+  verbs: ["create", "patch", "list"]
 # Verifying progress tokens.
 - apiGroups: ["authentication.k8s.io"]
   resources: ["tokenreviews"]
