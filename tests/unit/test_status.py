@@ -476,3 +476,33 @@ def test_stuck_creating_ages() -> None:
                    "status": {"containerStatuses": [{"state": {"waiting": {"reason": "ContainerCreating"}}}]}}
     running = {"metadata": {"name": "r"}, "status": {"containerStatuses": [{"state": {"running": {}}}]}}
     assert stuck_creating([creating("w", "2026-12-02T09:55:00Z"), unscheduled, running], NOW) == {"w": 300.0, "p": 60.0}
+
+
+class EventsKube:
+    """The API server's Events of each pod, as `Kube.list_events` returns them (oldest first)."""
+
+    def __init__(self, events: dict[str, list[dict[str, Any]]]) -> None:
+        self.events = events
+        self.asked: list[str] = []
+
+    def list_events(self, namespace: str, kind: str, name: str) -> list[dict[str, Any]]:
+        self.asked.append(name)
+        return self.events.get(name, [])
+
+
+def test_the_reconciler_reads_the_events_of_stuck_pods_only_and_looks_again_when_a_pod_would_be_stuck() -> None:
+    from finetune_operator.controller.reconcile import Reconciler
+    from finetune_operator.render.config import RenderConfig
+
+    warning = {"type": "Warning", "reason": MOUNT[0], "message": MOUNT[1]}
+    kube = EventsKube({"w-0": [{"type": "Normal", "reason": "Scheduled", "message": "ok"}, warning]})
+    looks: list[float] = []
+    rec = Reconciler(kube, RenderConfig(), {}, clock=lambda: NOW,  # type: ignore[arg-type]
+                     requeue_after=lambda ns, name, delay: looks.append(delay))
+    pods = [creating("w-0", "2026-12-02T09:55:00Z"), creating("w-1", "2026-12-02T09:59:00Z"),
+            creating("w-2", "2026-12-02T09:59:30Z")]
+    assert rec._stuck_pod_events("ns", "j", pods) == {"w-0": MOUNT}
+    assert kube.asked == ["w-0"]  # w-1 and w-2 are not stuck yet: no Events read for them
+    assert looks == [121.0]  # one look, when w-1 would be stuck (60 s in: 180 - 60 + 1)
+    rec._stuck_pod_events("ns", "j", pods)
+    assert looks == [121.0]  # already scheduled: no second timer

@@ -193,6 +193,7 @@ class Reconciler:
         # The RayCluster each job's RayJob runs on now (KubeRay names a new one per retry and after a resume).
         self.ray_clusters: dict[tuple[str, str], str] = {}
         self._stall_checks: dict[tuple[str, str], float] = {}
+        self._creating_checks: dict[tuple[str, str], float] = {}  # when a pod in ContainerCreating is looked at
         self.uids: dict[tuple[str, str], str] = {}  # the FinetuneJob object last reconciled under each name
         # What the last reconcile of each job left it as (progress fields aside): a watch event of the job
         # that brings nothing else (a progress write) needs no reconcile of a running job. See progress_only.
@@ -220,6 +221,7 @@ class Reconciler:
         self._settled.pop((namespace, name), None)
         self.uids.pop((namespace, name), None)
         self._stall_checks.pop((namespace, name), None)
+        self._creating_checks.pop((namespace, name), None)
         self.ray_clusters.pop((namespace, name), None)
         for uid in self._rayjob_uids.pop((namespace, name), set()):
             self.final_rayjob_status.pop(uid, None)
@@ -399,9 +401,12 @@ class Reconciler:
         most 3 pods read); a pod not stuck that long yet brings a look when it would be. Nothing else
         changes on the pod while the kubelet retries a mount, so no watch event would."""
         out: dict[str, tuple[str, str]] = {}
-        for pod_name, age in sorted(stuck_creating(pods, self.clock()).items()):
+        stuck = stuck_creating(pods, self.clock())
+        young = [CREATING_STUCK_SECONDS - age + 1.0 for age in stuck.values() if age < CREATING_STUCK_SECONDS]
+        if young:
+            self._look_again(namespace, name, min(young))
+        for pod_name, age in sorted(stuck.items()):
             if age < CREATING_STUCK_SECONDS:
-                self.requeue_after(namespace, name, CREATING_STUCK_SECONDS - age + 1.0)
                 continue
             if len(out) >= 3:
                 break
@@ -414,6 +419,15 @@ class Reconciler:
             if warnings:
                 out[pod_name] = (str(warnings[-1].get("reason") or ""), str(warnings[-1].get("message") or ""))
         return out
+
+    def _look_again(self, namespace: str, name: str, delay: float) -> None:
+        """A reconcile of the job in `delay` seconds, unless one is already due by then."""
+        due = time.monotonic() + delay
+        pending = self._creating_checks.get((namespace, name))
+        if pending is not None and time.monotonic() < pending <= due:
+            return
+        self._creating_checks[(namespace, name)] = due
+        self.requeue_after(namespace, name, delay)
 
     def _schedule_stall_check(self, namespace: str, name: str, status: Obj, now: str, timeout: int | None) -> None:
         """Look again when the job would turn Stalled if no report arrives (at most one timer per job)."""
