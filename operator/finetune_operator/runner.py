@@ -145,6 +145,7 @@ async def run(args: argparse.Namespace) -> int:
                                 lease_seconds=args.lease_duration, renew_seconds=args.lease_duration / 3,
                                 retry_seconds=min(5.0, args.lease_duration / 6))
         kube.may_write = elector.may_write  # fencing: no write unless the Lease surely is still ours
+        progress.leader_check = elector.may_write  # ... and the flusher does not even try (no spin)
         if args.pod_name:
             await asyncio.to_thread(label_own_pod, kube, args.lease_namespace, args.pod_name, False)
         acquire = asyncio.create_task(elector.acquire())

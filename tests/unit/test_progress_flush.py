@@ -35,7 +35,8 @@ def too_many(retry_after: float | None = None) -> ApiError:
 
 class ScriptedKube:
     """Status writes answer from `script` in turn (an exception is raised; None succeeds), then succeed;
-    `may_write` is the leader fencing check the real client carries. Records when each write was tried."""
+    `leader` stands for leader.py's fencing check (the runner gives it to the flusher). Records when each
+    write was tried."""
 
     def __init__(self, clock: Clock, script: list[BaseException | None] | None = None,
                  fail_always: Callable[[], BaseException] | None = None) -> None:
@@ -44,7 +45,6 @@ class ScriptedKube:
         self.fail_always = fail_always
         self.tried: list[float] = []
         self.leader = True
-        self.may_write: Callable[[], bool] | None = lambda: self.leader
 
     def patch_status(self, ns: str, name: str, patch: dict[str, object], uid: str | None = None,
                      has_status: bool = True, resource_version: str | None = None) -> dict[str, object]:
@@ -58,7 +58,8 @@ class ScriptedKube:
 
 
 def _server(kube: ScriptedKube, clock: Clock, jitter: float = 0.0) -> ProgressServer:
-    return ProgressServer(kube, Metrics(), monotonic=clock, jitter=lambda: jitter)  # type: ignore[arg-type]
+    return ProgressServer(kube, Metrics(), monotonic=clock, jitter=lambda: jitter,  # type: ignore[arg-type]
+                          leader_check=lambda: kube.leader)
 
 
 def _report(server: ProgressServer, step: int = 1) -> None:

@@ -139,6 +139,7 @@ class ProgressServer:
         get_pod: Callable[[str, str], dict[str, Any] | None] | None = None,
         monotonic: Callable[[], float] | None = None,
         jitter: Callable[[], float] = random.random,
+        leader_check: Callable[[], bool] | None = None,
     ):
         from .reconcile import utcnow
 
@@ -166,6 +167,8 @@ class ProgressServer:
         self._monotonic = monotonic or (lambda: time.monotonic())
         self._jitter = jitter
         self.write_failures = 0  # failed status writes (each followed by a backoff of its job's)
+        # Whether this replica may write now (the runner: leader.py's fencing check); None: always.
+        self.leader_check = leader_check
         self.pending: dict[tuple[str, str], _Pending] = {}
         self.limits = limits or Limits(accepted_ttl=auth_cache_seconds)
         # Verdicts by token (bounded, expiring): accepted ones spare genuine pods a TokenReview per report,
@@ -321,9 +324,9 @@ class ProgressServer:
         self.pending.pop((namespace, name), None)
 
     def may_write(self) -> bool:
-        """Whether this replica may write now (leader.py's fencing, via the client); no request is made."""
-        check = getattr(self.kube, "may_write", None)
-        return check is None or bool(check())
+        """Whether this replica may write now (leader.py's fencing); no request is made. Each write still
+        asks the client's own check as well (Kube._write)."""
+        return self.leader_check is None or bool(self.leader_check())
 
     def _due(self, p: _Pending, now: float) -> bool:
         return p.dirty and now - p.last_flush >= self.flush_interval and now >= p.retry_at
