@@ -157,6 +157,9 @@ async def run(args: argparse.Namespace) -> int:
             return 0
     progress.ready = True
     metrics.leader.set(1)
+    # Silence toward a stall counts from now on only: an outage of the operator is not the training's.
+    reconciler.watching_since = reconciler.clock()
+    reconciler.held_report = progress.held_report
     if elector and args.pod_name:
         await asyncio.to_thread(label_own_pod, kube, args.lease_namespace, args.pod_name, True)
 

@@ -356,6 +356,42 @@ def test_stalled(prev: dict[str, Any], timeout: int | None, now: str, stalled: s
         assert st["message"].startswith("stalled: ")
 
 
+@pytest.mark.parametrize(
+    ("watching_since", "held_report", "now", "stalled"),
+    [
+        # An operator down from 09:59:00 to 09:59:58: the stored report (09:59:00) is 60 s old, the window
+        # 8 s, yet this process has watched for 2 s only: not stalled (before: Stalled at its first look).
+        ("2026-12-02T09:59:58Z", None, NOW, None),
+        # ... and after one full window of its own without a report: stalled.
+        ("2026-12-02T09:59:50Z", None, NOW, "watching"),
+        # A report held unwritten (its status write refused) is a report: not stalled.
+        (None, "2026-12-02T09:59:57Z", NOW, None),
+        ("2026-12-02T09:00:00Z", "2026-12-02T09:59:57Z", NOW, None),
+        # An old held report stalls as a stored one would.
+        ("2026-12-02T09:00:00Z", "2026-12-02T09:59:30Z", NOW, "report"),
+    ],
+    ids=["outage-young-watch", "outage-full-window", "held-report", "held-report-long-watch", "held-report-old"],
+)
+def test_silence_counts_only_while_this_process_watches(watching_since: str | None, held_report: str | None,
+                                                        now: str, stalled: str | None) -> None:
+    prev = with_report("2026-12-02T09:59:00Z", step=5, totalSteps=10)
+    observed = Observed(rayjob=rayjob("Running", "RUNNING"), watching_since=watching_since, held_report=held_report)
+    st = derive_status(generation=1, suspend=False, names=NAMES, prev=prev, observed=observed, now=now,
+                       stall_timeout_seconds=8)
+    c = next((c for c in st["conditions"] if c["type"] == "Stalled"), None)
+    if stalled is None:
+        assert c is None, c
+        left = seconds_until_stall(st, now, 8, watching_since, held_report)
+        assert left is not None and 0 < left <= 9
+    else:
+        assert c is not None and c["reason"] == "NoProgress"
+        if stalled == "watching":
+            assert f"since this operator began watching at {watching_since}" in c["message"]
+            assert "the last stored report is from 2026-12-02T09:59:00Z" in c["message"]
+        else:
+            assert f"no progress report since {held_report} at step 5/10" in c["message"]
+
+
 def test_stalled_clears_and_leaves_with_running() -> None:
     prev = with_report("2026-12-02T09:59:00Z", step=5, totalSteps=10)
     hung = derive_status(generation=1, suspend=False, names=NAMES, prev=prev, observed=Observed(rayjob=rayjob("Running")),

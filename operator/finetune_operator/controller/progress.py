@@ -320,6 +320,17 @@ class ProgressServer:
         return app
 
     # ---------------------------------------------------------------------------------------- flush
+    def held_report(self, namespace: str, name: str) -> str | None:
+        """When the latest report of the job that is not written yet arrived (None: nothing held): the stall
+        window does not count time whose reports this process holds (a status write refused, say)."""
+        p = self.pending.get((namespace, name))
+        if p is None or not p.dirty:
+            return None
+        uid = self.current_uid(namespace, name)
+        if uid and p.uid and uid != p.uid:
+            return None
+        return p.training.get("lastReportTime")
+
     def forget(self, namespace: str, name: str) -> None:
         self.pending.pop((namespace, name), None)
 

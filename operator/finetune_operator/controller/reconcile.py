@@ -193,6 +193,11 @@ class Reconciler:
         # The RayCluster each job's RayJob runs on now (KubeRay names a new one per retry and after a resume).
         self.ray_clusters: dict[tuple[str, str], str] = {}
         self._stall_checks: dict[tuple[str, str], float] = {}
+        # Silence counts toward a stall only while this process watches (status.stall_check): when it became
+        # the leader with its progress endpoint serving (the runner sets it), and the latest report it holds
+        # unwritten per job (the runner: the progress server's pending reports).
+        self.watching_since: str | None = None
+        self.held_report: Callable[[str, str], str | None] = lambda namespace, name: None
         self._creating_checks: dict[tuple[str, str], float] = {}  # when a pod in ContainerCreating is looked at
         self.uids: dict[tuple[str, str], str] = {}  # the FinetuneJob object last reconciled under each name
         # What the last reconcile of each job left it as (progress fields aside): a watch event of the job
@@ -364,6 +369,8 @@ class Reconciler:
 
         now = self.clock()
         policy = job.spec.stall_policy if job is not None else None
+        observed.watching_since = self.watching_since
+        observed.held_report = self.held_report(namespace, name)
         decision = decide(
             generation=meta.get("generation"),
             suspend=bool((body.get("spec") or {}).get("suspend")),
@@ -393,7 +400,7 @@ class Reconciler:
         self.metrics.set_stalled(namespace, name, decision.stalled)
         if observed.blocked:
             self.requeue_after(namespace, name, BLOCKED_REQUEUE_SECONDS)
-        self._schedule_stall_check(namespace, name, new, now, policy.timeout_seconds if policy else None)
+        self._schedule_stall_check(namespace, name, new, now, policy.timeout_seconds if policy else None, observed)
         return phase
 
     def _stuck_pod_events(self, namespace: str, name: str, pods: list[Obj]) -> dict[str, tuple[str, str]]:
@@ -429,9 +436,11 @@ class Reconciler:
         self._creating_checks[(namespace, name)] = due
         self.requeue_after(namespace, name, delay)
 
-    def _schedule_stall_check(self, namespace: str, name: str, status: Obj, now: str, timeout: int | None) -> None:
+    def _schedule_stall_check(self, namespace: str, name: str, status: Obj, now: str, timeout: int | None,
+                              observed: Observed) -> None:
         """Look again when the job would turn Stalled if no report arrives (at most one timer per job)."""
-        left = seconds_until_stall(status, now, timeout) if self.cfg.progress_url else None
+        left = (seconds_until_stall(status, now, timeout, observed.watching_since, observed.held_report)
+                if self.cfg.progress_url else None)
         if left is None:
             return
         due = time.monotonic() + left

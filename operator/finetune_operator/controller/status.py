@@ -73,6 +73,12 @@ class Observed:
     # The latest Warning Event (reason, message) of each pod stuck in ContainerCreating (`stuck_creating`):
     # FailedMount and its kind say there why the containers are not created.
     pod_events: dict[str, tuple[str, str]] = field(default_factory=dict)
+    # The stall window counts only silence this process saw (an operator outage is not the training's):
+    # `watching_since`, when this process became the leader with its progress endpoint serving (None: no
+    # such bound, e.g. tests of the pure functions); `held_report`, the time of the latest report this
+    # process accepted for the job but has not written yet (a status write refused by 429s, say).
+    watching_since: str | None = None
+    held_report: str | None = None
 
 
 # Carried over from the previous status untouched: progress (written by the progress flusher), the
@@ -224,21 +230,30 @@ def stall_window(timeout_seconds: int | None, training: Obj) -> float:
     return STALL_FLOOR_SECONDS
 
 
-def stall_check(status: Obj, conds: list[Obj], now: str, timeout_seconds: int | None) -> tuple[str, str] | None:
-    """(reason, message) when the running job looks hung; None while it progresses. Pure."""
+def stall_check(status: Obj, conds: list[Obj], now: str, timeout_seconds: int | None,
+                watching_since: str | None = None, held_report: str | None = None) -> tuple[str, str] | None:
+    """(reason, message) when the running job looks hung; None while it progresses. Pure.
+    Silence is counted from the latest of: the last stored report (or the Running transition), a report
+    held unwritten (`held_report`), and when this process began watching (`watching_since`): an operator
+    outage, or status writes refused, never count as the training's silence."""
     training: Obj = status.get("training") or {}
     net: Obj = status.get("network") or {}
     if _WATCHDOG in str(net.get("message") or "").lower():
         return "NcclWatchdogTimeout", f"the workers report an NCCL watchdog timeout: {net.get('message')}"[:1000]
     running = next((c for c in conds if c["type"] == RUNNING and c.get("status") == "True"), None)
-    since = _stall_since(training, running)
+    since = _latest(_stall_since(training, running), held_report, watching_since)
     t_since, t_now = parse_time(since), parse_time(now)
     if t_since is None or t_now is None:
         return None
     window = stall_window(timeout_seconds, training)
     if (t_now - t_since).total_seconds() <= window:
         return None
-    if since == training.get("lastReportTime"):
+    if since == watching_since and since not in (training.get("lastReportTime"), held_report):
+        last = training.get("lastReportTime") or "never"
+        return ("NoProgress", f"no progress report for {window:.0f}s (the stall window) since this operator began "
+                              f"watching at {since}; the last stored report is from {last}: the training may be "
+                              "hung (NCCL, a stuck data loader, a dead node); see the workers' logs")
+    if since in (training.get("lastReportTime"), held_report):
         step = training.get("step")
         total = training.get("totalSteps")
         at = f" at step {step}/{total}" if step is not None and total else (f" at step {step}" if step is not None else "")
@@ -258,11 +273,22 @@ def _stall_since(training: Obj, running: Obj | None) -> str | None:
     return str(report)
 
 
-def seconds_until_stall(status: Obj, now: str, timeout_seconds: int | None) -> float | None:
+def _latest(*stamps: str | None) -> str | None:
+    """The latest of the timestamps given (None and unparsable ones aside); the first of equal ones."""
+    best: str | None = None
+    for ts in stamps:
+        t = parse_time(ts)
+        if t is not None and (best is None or t > parse_time(best)):  # type: ignore[operator]
+            best = ts
+    return best if best is not None else next((ts for ts in stamps if ts), None)
+
+
+def seconds_until_stall(status: Obj, now: str, timeout_seconds: int | None, watching_since: str | None = None,
+                        held_report: str | None = None) -> float | None:
     """When to look again for a running job that is not stalled yet (None: nothing to watch)."""
     training: Obj = status.get("training") or {}
     running = next((c for c in status.get("conditions") or [] if c["type"] == RUNNING and c.get("status") == "True"), None)
-    since = parse_time(_stall_since(training, running))
+    since = parse_time(_latest(_stall_since(training, running), held_report, watching_since))
     t_now = parse_time(now)
     if since is None or t_now is None or status.get("phase") != "Running":
         return None

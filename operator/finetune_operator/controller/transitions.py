@@ -284,7 +284,8 @@ def _from_rayjob(status: Obj, conds: Conditions, rj: Obj, observed: Observed, tr
         return _finish(status, conds, Phase.provisioning, why)
     if deploy == "Running":  # row 14
         conds.set(RUNNING, True, "RayJobRunning", f"Ray job {rs.get('jobId') or ''} {job_status or 'submitted'}".replace("  ", " "))
-        stalled = stall_check(status, conds.items, now, stall_timeout_seconds) if detect_stalls else None
+        stalled = (stall_check(status, conds.items, now, stall_timeout_seconds, observed.watching_since, observed.held_report)
+                   if detect_stalls else None)
         if stalled:  # row 15
             conds.set(STALLED, True, *stalled)
             return _finish(status, conds, Phase.running, f"stalled: {stalled[1]}")
