@@ -5,7 +5,42 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from . import grammar as g
 from .crd import spec_schema, status_schema
+
+
+def _num(x: float) -> str:
+    return str(x) if isinstance(x, int) else f"{x:g}"
+
+
+def _rule(node: dict[str, Any]) -> str:
+    """The admission rule of a field, in words (the same rule `finetune validate` and the API server apply)."""
+    out: list[str] = []
+    lo, hi = node.get("minimum"), node.get("maximum")
+    if lo is not None or hi is not None:
+        lo_s = "" if lo is None else f"{'>' if node.get('exclusiveMinimum') else '≥'} {_num(lo)}"
+        hi_s = "" if hi is None else f"{'<' if node.get('exclusiveMaximum') else '≤'} {_num(hi)}"
+        out.append(", ".join(x for x in (lo_s, hi_s) if x))
+    for rule in node.get("x-kubernetes-validations") or []:
+        text = str(rule["rule"])
+        if text.startswith("self.matches(r'") and text.endswith("')"):
+            grammar = g.by_pattern(text[len("self.matches(r'"):-2])
+            if grammar is not None:
+                out.append(f"{grammar.name} ({grammar.source})")
+                continue
+        if text == "self == oldSelf":
+            out.append("immutable")
+        elif "k.matches(" in text:
+            out.append("keys: label keys")
+    if "pattern" in node:
+        out.append(f"pattern `{node['pattern']}`")
+    if "maxLength" in node:
+        out.append(f"≤ {node['maxLength']} chars")
+    if "maxItems" in node:
+        out.append(f"≤ {node['maxItems']} items")
+    if "maxProperties" in node:
+        out.append(f"≤ {node['maxProperties']} entries")
+    return "; ".join(out).replace("|", "\\|")
 
 
 def _type(node: dict[str, Any]) -> str:
@@ -27,7 +62,7 @@ def _rows(node: dict[str, Any], path: str, out: list[str]) -> None:
         default_s = "" if default is None or default == {} else f"`{json.dumps(default)}`"
         desc = str(prop.get("description", "")).replace("\n", " ").replace("|", "\\|")
         req = "yes" if name in required else ""
-        out.append(f"| `{p}` | {_type(prop)} | {req} | {default_s} | {desc} |")
+        out.append(f"| `{p}` | {_type(prop)} | {req} | {default_s} | {_rule(prop)} | {desc} |")
         if prop.get("type") == "object" and "properties" in prop:
             _rows(prop, p, out)
         elif prop.get("type") == "array" and "properties" in prop.get("items", {}):
@@ -43,7 +78,8 @@ def reference_markdown() -> str:
         "",
     ]
     for title, schema, root in (("Spec", spec_schema(), "spec"), ("Status", status_schema(), "status")):
-        out += [f"## {title}", "", "| field | type | required | default | description |", "| --- | --- | --- | --- | --- |"]
+        out += [f"## {title}", "", "| field | type | required | default | rule | description |",
+                "| --- | --- | --- | --- | --- | --- |"]
         _rows(schema, root, out)
         out.append("")
         for rule in schema.get("x-kubernetes-validations") or []:

@@ -9,12 +9,12 @@ suite checks both against the same table of bad specs.
 
 from __future__ import annotations
 
-import re
 from enum import Enum
 from typing import Annotated, Any
 
-from pydantic import Field, model_validator
+from pydantic import AfterValidator, Field, model_validator
 
+from . import grammar as g
 from .base import SpecModel
 
 GROUP = "finetune.dev"
@@ -29,11 +29,23 @@ DEFAULT_IMAGE = "public.ecr.aws/deep-learning-containers/ray:train-ml-cuda-v1.0"
 DEFAULT_RAY_VERSION = "2.58.0"
 DEFAULT_INSTANCE_TYPE = "g6.12xlarge"
 
-_QUANTITY = r"^([+]?[0-9.]+)([eEinumkKMGTP]*[-+]?[0-9]*)$"
-_K8S_NAME = r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$"
-_DNS1035 = DNS1035 = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
-_ENV_NAME = r"^[-._a-zA-Z][-._a-zA-Z0-9]*$"
-_SOURCE = r"^(s3://[^/]+(/.*)?|pvc://[a-z0-9]([-a-z0-9.]*[a-z0-9])?(/.*)?|/.*|\./.*|[A-Za-z0-9][-\w.]*(/[-\w.]+)?)$"
+_DNS1035 = DNS1035 = g.anchored(g.DNS1035_LABEL_FMT)
+_PVC = f"pvc://{g.DNS1123_SUBDOMAIN_FMT}(/.*)?"
+_SOURCE = rf"^(s3://[^/]+(/.*)?|{_PVC}|/.*|\./.*|[A-Za-z0-9][-\w.]*(/[-\w.]+)?)$"
+_STORAGE = rf"^(s3://[^/]+(/.*)?|{_PVC}|/.*|\./.*)$"
+# The claim of a pvc:// URI names a PersistentVolumeClaim: a DNS-1123 subdomain, at most 253 characters.
+_CLAIM_FITS: dict[str, Any] = {"x-kubernetes-validations": [{
+    "rule": "!self.startsWith('pvc://') || self.substring(6).split('/')[0].size() <= 253",
+    "message": "the claim of a pvc:// URI names a PersistentVolumeClaim: at most 253 characters"}]}
+
+
+def _claim_fits(uri: str) -> str:
+    if uri.startswith("pvc://") and len(uri[6:].split("/")[0]) > g.DNS1123_SUBDOMAIN_MAX:
+        raise ValueError("the claim of a pvc:// URI names a PersistentVolumeClaim: at most 253 characters")
+    return uri
+
+
+Uri = Annotated[str, AfterValidator(_claim_fits)]
 
 Str = Annotated[str, Field(max_length=253)]
 LongStr = Annotated[str, Field(max_length=4096)]
@@ -61,10 +73,8 @@ class DType(str, Enum):
 
 
 class SecretKeyRef(SpecModel):
-    name: str = Field(
-        description="Name of a Secret in the FinetuneJob's namespace.", max_length=253, pattern=_K8S_NAME
-    )
-    key: str = Field(default="token", description="Key inside the Secret.", max_length=253)
+    name: g.DNSSubdomain = Field(description="Name of a Secret in the FinetuneJob's namespace.")
+    key: g.ConfigMapKey = Field(default="token", description="Key inside the Secret.")
 
 
 class ModelSpec(SpecModel):
@@ -72,7 +82,7 @@ class ModelSpec(SpecModel):
 
     model_config = SpecModel.model_config | {"json_schema_extra": _immutable("spec.model")}
 
-    source: str = Field(
+    source: Uri = Field(
         description=(
             "Where the base model comes from: a Hugging Face hub id (`Qwen/Qwen2.5-1.5B`), an S3 URI "
             "(`s3://bucket/prefix`), a PersistentVolumeClaim path (`pvc://claim/path`, mounted into every "
@@ -80,6 +90,7 @@ class ModelSpec(SpecModel):
         ),
         max_length=1024,
         pattern=_SOURCE,
+        json_schema_extra=_CLAIM_FITS,
     )
     revision: str | None = Field(
         default=None,
@@ -124,13 +135,14 @@ class DatasetSpec(SpecModel):
 
     model_config = SpecModel.model_config | {"json_schema_extra": _immutable("spec.dataset")}
 
-    source: str = Field(
+    source: Uri = Field(
         description=(
             "A Hugging Face dataset id, or a `.jsonl`/`.json`/`.parquet` file or directory given as an S3 "
             "URI, `pvc://claim/path` or absolute path."
         ),
         max_length=1024,
         pattern=_SOURCE,
+        json_schema_extra=_CLAIM_FITS,
     )
     split: str = Field(default="train", description="Split to read (hub datasets).", max_length=63)
     format: DatasetFormat = Field(
@@ -152,7 +164,7 @@ class DatasetSpec(SpecModel):
         default="messages", description="Field holding the message list (format chat).", max_length=63
     )
     max_samples: int | None = Field(
-        default=None, ge=1, description="Use at most this many records (after shuffling with the seed)."
+        default=None, ge=1, le=g.INT32_MAX, description="Use at most this many records (after shuffling with the seed)."
     )
     eval_fraction: float = Field(
         default=0.05,
@@ -207,8 +219,8 @@ class FSDPSpec(SpecModel):
 class CheckpointSpec(SpecModel):
     """Sharded checkpoints (torch.distributed.checkpoint) and the final Hugging Face export."""
 
-    interval_steps: int = Field(default=100, ge=1, description="Save a checkpoint every this many optimizer steps.")
-    storage_uri: str | None = Field(
+    interval_steps: int = Field(default=100, ge=1, le=g.INT32_MAX, description="Save a checkpoint every this many optimizer steps.")
+    storage_uri: Uri | None = Field(
         default=None,
         description=(
             "Shared storage for checkpoints and the exported model: `s3://bucket/prefix`, `pvc://claim/path`, "
@@ -216,7 +228,8 @@ class CheckpointSpec(SpecModel):
             "`finetune run` defaults to ./.work/<job name>."
         ),
         max_length=1024,
-        pattern=r"^(s3://[^/]+(/.*)?|pvc://[a-z0-9]([-a-z0-9.]*[a-z0-9])?(/.*)?|/.*|\./.*)$",
+        pattern=_STORAGE,
+        json_schema_extra=_CLAIM_FITS,
     )
     keep: int = Field(default=2, ge=1, le=100, description="How many recent checkpoints to keep.")
 
@@ -246,7 +259,7 @@ class TrainingSpec(SpecModel):
     }
 
     epochs: int = Field(default=1, ge=1, le=1000, description="Passes over the training split (ignored if maxSteps is set).")
-    max_steps: int | None = Field(default=None, ge=1, description="Stop after this many optimizer steps.")
+    max_steps: int | None = Field(default=None, ge=1, le=g.INT32_MAX, description="Stop after this many optimizer steps.")
     learning_rate: float = Field(default=2e-5, gt=0.0, le=1.0, description="Peak AdamW learning rate.")
     scheduler: Scheduler = Field(default=Scheduler.cosine, description="Learning-rate decay after warmup.")
     warmup_ratio: float = Field(
@@ -256,18 +269,19 @@ class TrainingSpec(SpecModel):
     global_batch_size: int = Field(
         default=32,
         ge=1,
+        le=2**20,
         description=(
             "Sequences per optimizer step over all data-parallel ranks. Must be a multiple of "
             "microBatchSize x data-parallel ranks; the quotient is the gradient-accumulation count."
         ),
     )
-    micro_batch_size: int = Field(default=1, ge=1, description="Sequences per rank per forward/backward pass.")
+    micro_batch_size: int = Field(default=1, ge=1, le=2**16, description="Sequences per rank per forward/backward pass.")
     sequence_length: int = Field(default=2048, ge=16, le=131072, description="Tokens per training sequence.")
     packing: bool = Field(
         default=True, description="Concatenate examples and cut them into full sequences (no padding waste)."
     )
-    max_grad_norm: float = Field(default=1.0, ge=0.0, description="Gradient clipping by global norm (0 disables).")
-    seed: int = Field(default=42, ge=0, description="Seed for data shuffling, eval split and initialisation.")
+    max_grad_norm: float = Field(default=1.0, ge=0.0, le=1e6, description="Gradient clipping by global norm (0 disables).")
+    seed: int = Field(default=42, ge=0, le=g.UINT32_MAX, description="Seed for data shuffling, eval split and initialisation.")
     precision: Precision = Field(
         default=Precision.auto,
         description=(
@@ -276,7 +290,7 @@ class TrainingSpec(SpecModel):
         ),
     )
     eval_interval_steps: int = Field(
-        default=100, ge=1, description="Evaluate on the held-out split every this many steps (and at the end)."
+        default=100, ge=1, le=g.INT32_MAX, description="Evaluate on the held-out split every this many steps (and at the end)."
     )
     fsdp: FSDPSpec = Field(default_factory=FSDPSpec, description="FSDP sharding and memory settings.")
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec, description="Checkpointing and export.")
@@ -312,60 +326,49 @@ class WorkersSpec(SpecModel):
             "(smoke tests). Must not exceed the instance type's GPUs."
         ),
     )
-    cpu: str | None = Field(
+    cpu: g.Quantity | None = Field(
         default=None,
         description="CPU request/limit per worker pod. Default: five sixths of the instance's vCPUs.",
-        max_length=32,
-        pattern=_QUANTITY,
     )
-    memory: str | None = Field(
+    memory: g.Quantity | None = Field(
         default=None,
         description="Memory request/limit per worker pod. Default: five sixths of the instance's memory.",
-        max_length=32,
-        pattern=_QUANTITY,
     )
-    shm_size: str | None = Field(
+    shm_size: g.Quantity | None = Field(
         default=None,
         description="Size of the memory-backed /dev/shm volume. Default: a quarter of the worker memory, at most 64Gi.",
-        max_length=32,
-        pattern=_QUANTITY,
     )
-    hugepages2_mi: str = Field(
+    hugepages2_mi: g.Quantity = Field(
         default="5120Mi",
         alias="hugepages2Mi",
         description="hugepages-2Mi requested per worker pod when EFA is on (libfabric registers memory in them).",
-        max_length=32,
-        pattern=_QUANTITY,
     )
 
 
 class HeadSpec(SpecModel):
     """The Ray head pod (GCS, dashboard, job driver). It gets no GPUs."""
 
-    cpu: str = Field(default="4", description="CPU request/limit of the head pod.", max_length=32, pattern=_QUANTITY)
-    memory: str = Field(
-        default="16Gi", description="Memory request/limit of the head pod.", max_length=32, pattern=_QUANTITY
-    )
-    node_selector: dict[str, Str] = Field(
+    cpu: g.Quantity = Field(default="4", description="CPU request/limit of the head pod.")
+    memory: g.Quantity = Field(default="16Gi", description="Memory request/limit of the head pod.")
+    node_selector: g.NodeSelector = Field(
         default_factory=dict,
         description="nodeSelector for the head pod (by default it lands on any untainted node).",
-        max_length=32,
     )
 
 
 class EnvVar(SpecModel):
-    name: str = Field(description="Environment variable name.", max_length=253, pattern=_ENV_NAME)
+    name: g.EnvVarName = Field(description="Environment variable name.")
     value: str = Field(default="", description="Literal value.", max_length=32768)
 
 
 class EnvFromSource(SpecModel):
-    config_map_ref: str | None = Field(
-        default=None, description="Name of a ConfigMap whose keys become environment variables.", max_length=253
+    config_map_ref: g.DNSSubdomain | None = Field(
+        default=None, description="Name of a ConfigMap whose keys become environment variables."
     )
-    secret_ref: str | None = Field(
-        default=None, description="Name of a Secret whose keys become environment variables.", max_length=253
+    secret_ref: g.DNSSubdomain | None = Field(
+        default=None, description="Name of a Secret whose keys become environment variables."
     )
-    prefix: str | None = Field(default=None, description="Prefix added to every key.", max_length=253)
+    prefix: g.EnvVarName | None = Field(default=None, description="Prefix added to every key.")
 
     model_config = SpecModel.model_config | {
         "json_schema_extra": {
@@ -393,22 +396,21 @@ class ClusterSpec(SpecModel):
 
     model_config = SpecModel.model_config | {"json_schema_extra": _immutable("spec.cluster")}
 
-    image: str = Field(
+    image: g.Image = Field(
         default=DEFAULT_IMAGE,
         description="Container image for head and workers. Default: the AWS Ray Train DLC, used as published.",
-        max_length=512,
     )
     ray_version: str = Field(
-        default=DEFAULT_RAY_VERSION, description="Ray version inside the image.", max_length=32, pattern=r"^\d+\.\d+\.\d+$"
+        default=DEFAULT_RAY_VERSION, description="Ray version inside the image.", max_length=32,
+        pattern=r"^[0-9]+\.[0-9]+\.[0-9]+$",
     )
-    instance_type: str = Field(
+    instance_type: g.NodeLabelValue = Field(
         default=DEFAULT_INSTANCE_TYPE,
         description=(
             "EC2 instance type of the worker node group (matched with node.kubernetes.io/instance-type). "
             "Known: g6.12xlarge, g6.48xlarge, g5.48xlarge, p4d.24xlarge, p5.48xlarge, m5.2xlarge, m5.4xlarge, "
             "m7i.4xlarge."
         ),
-        max_length=63,
     )
     workers: WorkersSpec = Field(default_factory=WorkersSpec, description="Worker pods and their resources.")
     efa_interfaces_per_worker: int | None = Field(
@@ -418,8 +420,8 @@ class ClusterSpec(SpecModel):
         description="EFA interfaces requested per worker pod. Default: all of the instance's interfaces.",
     )
     head: HeadSpec = Field(default_factory=HeadSpec, description="The Ray head pod.")
-    node_selector: dict[str, Str] = Field(
-        default_factory=dict, description="Extra nodeSelector terms for the worker pods.", max_length=32
+    node_selector: g.NodeSelector = Field(
+        default_factory=dict, description="Extra nodeSelector terms for the worker pods."
     )
     tolerations: list[dict[str, Any]] = Field(
         default_factory=list,
@@ -430,9 +432,9 @@ class ClusterSpec(SpecModel):
     affinity: dict[str, Any] | None = Field(
         default=None, description="Affinity for the worker pods (core/v1 Affinity).", json_schema_extra=_OBJ,  # type: ignore[arg-type]
     )
-    priority_class_name: str | None = Field(default=None, description="PriorityClass for all Ray pods.", max_length=253)
-    service_account_name: str | None = Field(
-        default=None, description="ServiceAccount the Ray pods run as (e.g. one with an IRSA role for S3).", max_length=253
+    priority_class_name: g.DNSSubdomain | None = Field(default=None, description="PriorityClass for all Ray pods.")
+    service_account_name: g.DNSSubdomain | None = Field(
+        default=None, description="ServiceAccount the Ray pods run as (e.g. one with an IRSA role for S3)."
     )
     env: list[EnvVar] = Field(
         default_factory=list, description="Extra environment variables for all Ray containers.", max_length=128
@@ -586,7 +588,7 @@ class FinetuneJobSpec(SpecModel):
         description="Suspend the job: the Ray cluster is deleted, and recreated from the last checkpoint on resume.",
     )
     active_deadline_seconds: int | None = Field(
-        default=None, ge=1, description="Fail the job if it runs longer than this (per attempt)."
+        default=None, ge=1, le=g.INT32_MAX, description="Fail the job if it runs longer than this (per attempt)."
     )
     backoff_limit: int = Field(
         default=0, ge=0, le=100, description="Retries of the whole job (each on a fresh Ray cluster, resuming)."
@@ -594,6 +596,7 @@ class FinetuneJobSpec(SpecModel):
     ttl_seconds_after_finished: int | None = Field(
         default=None,
         ge=0,
+        le=g.INT32_MAX,
         description="Delete the Ray cluster this long after the job finishes (default: deleted right away).",
     )
     ttl_seconds_after_failure: int = Field(
@@ -651,9 +654,10 @@ class ObjectMeta(SpecModel):
         max_length=47,
         pattern=_DNS1035,
     )
-    namespace: str | None = Field(default=None, description="Namespace.", max_length=63)
-    labels: dict[str, str] = Field(default_factory=dict, description="Labels.")
-    annotations: dict[str, str] = Field(default_factory=dict, description="Annotations.")
+    namespace: g.DNSLabel | None = Field(default=None, description="Namespace.")
+    # The API server checks metadata of every object itself; these make `finetune validate` agree with it.
+    labels: g.Labels = Field(default_factory=dict, description="Labels.")
+    annotations: g.Annotations = Field(default_factory=dict, description="Annotations.")
     uid: str | None = Field(default=None, description="Server-assigned UID.")
     generation: int | None = Field(default=None, description="Server-assigned generation.")
 
@@ -676,5 +680,3 @@ class FinetuneJob(SpecModel):
             raise ValueError(f"kind: must be {KIND}, got {self.kind!r}")
         return self
 
-
-NAME_RE = re.compile(_K8S_NAME)
