@@ -55,7 +55,9 @@ ROWS: list[Row] = [
                              "spec.cluster.workers.shmSize": "8Gi"}, None),
     Row("valid-int-maxima", {"spec.activeDeadlineSeconds": 2**31 - 1, "spec.ttlSecondsAfterFinished": 2**31 - 1,
                              "spec.training.seed": 2**32 - 1}, None),
-    Row("valid-env", {"spec.cluster.env": _env("NCCL_SOCKET_IFNAME", "MY_FLAG")}, None),
+    Row("valid-env-overrides-with-warnings", {"spec.network.requireEFA": False,
+                                              "spec.cluster.env": _env("NCCL_SOCKET_IFNAME", "NCCL_NET", "MY_FLAG")},
+        None),
     Row("valid-metadata", {"metadata.labels": {"team": "ml", "example.com/cost-center": "a-1"},
                            "metadata.annotations": {"example.com/note": "free text, spaces and all"}}, None),
     # ---------------------------------------------------------------- images (distribution/reference)
@@ -116,6 +118,13 @@ ROWS: list[Row] = [
     Row("micro-batch-absurd", {"spec.training.microBatchSize": 2**17, "spec.training.globalBatchSize": 2**20},
         "spec.training.microBatchSize"),
     Row("max-grad-norm-absurd", {"spec.training.maxGradNorm": 1e9}, "spec.training.maxGradNorm"),
+    # ---------------------------------------------------------------- environment variables
+    Row("env-pythonpath", {"spec.cluster.env": _env("PYTHONPATH")}, "spec.cluster.env[0].name"),
+    Row("env-ray-address", {"spec.cluster.env": _env("MY_FLAG", "RAY_ADDRESS")}, "spec.cluster.env[1].name"),
+    Row("env-hf-token-literal", {"spec.cluster.env": _env("HF_TOKEN")}, "spec.cluster.env[0].name"),
+    Row("env-nccl-debug", {"spec.cluster.env": _env("NCCL_DEBUG")}, "spec.cluster.env[0].name"),
+    Row("env-pinned-by-require-efa", {"spec.network.requireEFA": True, "spec.cluster.env": _env("NCCL_NET")},
+        "spec.cluster.env"),
 ]
 
 VALID = [r for r in ROWS if r.path is None]

@@ -4,6 +4,7 @@ Also: the CRD carries the grammars of api/grammar.py (one definition), and the g
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -11,6 +12,7 @@ from typing import Any
 
 import pytest
 import yaml
+from finetune_operator.api import env_policy
 from finetune_operator.api import grammar as g
 from finetune_operator.api.crd import build_crd
 from finetune_operator.api.validation import check
@@ -80,6 +82,7 @@ def test_crd_rules_are_the_grammar_modules() -> None:
                     g.QUANTITY, g.IMAGE):
         assert f"self.matches(r'{grammar.pattern}')" in rules, grammar.name
     assert any(g.LABEL_KEY.cel("k") in r for r in rules)
+    assert any(env_policy.ALWAYS_REJECTED[0] in r for r in rules)
     # RE2 and Rust/Python agree only on explicit ASCII classes.
     for grammar in g.ALL:
         assert "\\d" not in grammar.pattern and "\\w" not in grammar.pattern, grammar.name
@@ -120,3 +123,16 @@ def test_infinity_and_nan_are_rejected() -> None:
     for value in (float("inf"), float("nan")):
         job, issues = check(JobDoc().set("spec.training.maxGradNorm", value).obj())
         assert job is None and [i.path for i in issues] == ["spec.training.maxGradNorm"]
+
+
+def test_env_warnings_name_the_item() -> None:
+    row = next(r for r in VALID if r.id == "valid-env-overrides-with-warnings")
+    _, issues = check(row.doc())
+    assert {i.path for i in issues if i.severity == "warning"} >= {"spec.cluster.env[0].name", "spec.cluster.env[1].name"}
+    assert not any(i.path == "spec.cluster.env[2].name" for i in issues)
+
+
+def test_every_reserved_variable_is_documented() -> None:
+    doc = (ROOT / "docs" / "api.md").read_text()
+    for r in env_policy.RESERVED:
+        assert re.search(rf"^\| `{r.name}` \|", doc, re.M), r.name

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from . import env_policy
 from . import grammar as g
 from .crd import spec_schema, status_schema
 
@@ -32,6 +33,8 @@ def _rule(node: dict[str, Any]) -> str:
             out.append("immutable")
         elif "k.matches(" in text:
             out.append("keys: label keys")
+    if any("messageExpression" in r for r in (node.get("items") or {}).get("x-kubernetes-validations") or []):
+        out.append("names: not one the operator or KubeRay reserves (table below)")
     if "pattern" in node:
         out.append(f"pattern `{node['pattern']}`")
     if "maxLength" in node:
@@ -41,6 +44,24 @@ def _rule(node: dict[str, Any]) -> str:
     if "maxProperties" in node:
         out.append(f"≤ {node['maxProperties']} entries")
     return "; ".join(out).replace("|", "\\|")
+
+
+def _env_table() -> list[str]:
+    out = [
+        "## Environment variables the operator and KubeRay set",
+        "",
+        "`spec.cluster.env` replaces the operator's entry of the same name. Rejected: `finetune validate` and the "
+        "API server refuse the spec, naming `spec.cluster.env[i].name`. Warning: allowed, and `finetune validate` "
+        "says what it changes. `spec.cluster.envFrom` keys cannot be checked at admission (they live in the "
+        "ConfigMap or Secret); the same table applies to them.",
+        "",
+        "| variable | set by | override | why |",
+        "| --- | --- | --- | --- |",
+    ]
+    for r in env_policy.RESERVED:
+        out.append(f"| `{r.name}` | {r.set_by} | {r.verdict.value} | {r.why} |")
+    out.append("")
+    return out
 
 
 def _type(node: dict[str, Any]) -> str:
@@ -85,4 +106,6 @@ def reference_markdown() -> str:
         for rule in schema.get("x-kubernetes-validations") or []:
             out.append(f"- rule `{rule['rule']}`: {rule['message']}")
         out.append("")
+        if title == "Spec":
+            out += _env_table()
     return "\n".join(out).rstrip() + "\n"

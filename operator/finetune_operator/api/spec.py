@@ -14,6 +14,7 @@ from typing import Annotated, Any
 
 from pydantic import AfterValidator, Field, model_validator
 
+from . import env_policy
 from . import grammar as g
 from .base import SpecModel
 
@@ -357,8 +358,18 @@ class HeadSpec(SpecModel):
 
 
 class EnvVar(SpecModel):
+    model_config = SpecModel.model_config | {
+        "json_schema_extra": {"x-kubernetes-validations": list(env_policy.ITEM_VALIDATIONS)}
+    }
+
     name: g.EnvVarName = Field(description="Environment variable name.")
     value: str = Field(default="", description="Literal value.", max_length=32768)
+
+    @model_validator(mode="after")
+    def _not_reserved(self) -> EnvVar:
+        if self.name in env_policy.ALWAYS_REJECTED:
+            raise ValueError(f"name: {env_policy.rejection(self.name)}")
+        return self
 
 
 class EnvFromSource(SpecModel):
@@ -574,6 +585,7 @@ class FinetuneJobSpec(SpecModel):
                     "message": "network.requireEFA needs network.efa: true",
                     "fieldPath": ".network.requireEFA",
                 },
+                *env_policy.SPEC_VALIDATIONS,
             ]
         }
     }
@@ -638,6 +650,10 @@ class FinetuneJobSpec(SpecModel):
             raise ValueError(
                 "training.precision: bf16 needs GPUs (cluster.workers.gpusPerWorker > 0); use auto or fp32"
             )
+        if self.network.require_efa:
+            for i, e in enumerate(self.cluster.env):
+                if e.name in env_policy.PINNED_BY_REQUIRE_EFA:
+                    raise ValueError(f"cluster.env[{i}].name: {env_policy.REQUIRE_EFA_MESSAGE}")
         if self.cluster.workers.replicas > 1 and not self.training.checkpoint.storage_uri:
             raise ValueError(
                 "training.checkpoint.storageUri: required when cluster.workers.replicas > 1 "

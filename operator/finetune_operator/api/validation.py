@@ -16,8 +16,8 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
+from . import env_policy, quantity
 from . import instance_types as it
-from . import quantity
 from .spec import FinetuneJob, FinetuneJobSpec
 from .storage import is_local_path
 
@@ -172,8 +172,18 @@ def worker_resources(spec: FinetuneJobSpec, table: Table | None = None) -> tuple
     return cpu, mem, huge, shm
 
 
-def local_only_warnings(spec: FinetuneJobSpec) -> list[Issue]:
+def env_warnings(spec: FinetuneJobSpec) -> list[Issue]:
+    """Overrides of variables the operator sets that are allowed, but change what it set (docs/api.md)."""
     out = []
+    for i, e in enumerate(spec.cluster.env):
+        message = env_policy.warning(e.name, spec.network.efa)
+        if message is not None:
+            out.append(Issue(f"spec.cluster.env[{i}].name", message, severity="warning"))
+    return out
+
+
+def local_only_warnings(spec: FinetuneJobSpec) -> list[Issue]:
+    out = env_warnings(spec)
     for path, value in (
         ("spec.model.source", spec.model.source),
         ("spec.dataset.source", spec.dataset.source),
