@@ -158,6 +158,16 @@ def _pvc_claims(spec: s.FinetuneJobSpec) -> list[str]:
     return sorted({p.claim for p in (parse_pvc(u) for u in uris) if p})
 
 
+def pvc_volume_name(claim: str) -> str:
+    """A volume name is a DNS-1123 label; a claim is a DNS-1123 subdomain (dots, up to 253 characters).
+    Claims that are labels keep their readable name; others get a digest, so two never share a name."""
+    vol = f"pvc-{claim}"
+    if len(vol) <= 63 and "." not in vol:
+        return vol
+    digest = hashlib.sha256(claim.encode()).hexdigest()[:10]
+    return f"pvc-{claim.replace('.', '-')[:48].rstrip('-')}-{digest}"
+
+
 def _volumes(job: s.FinetuneJob, runtime_files: Mapping[str, str], cfg: RenderConfig,
              head: bool) -> tuple[list[Obj], list[Obj]]:
     volumes: list[Obj] = [
@@ -179,7 +189,7 @@ def _volumes(job: s.FinetuneJob, runtime_files: Mapping[str, str], cfg: RenderCo
             {"path": CONFIG_KEY, "fieldRef": {"fieldPath": f"metadata.annotations['{CONFIG_ANNOTATION}']"}}]}})
         mounts.append({"name": "finetune-config", "mountPath": CONFIG_MOUNT, "readOnly": True})
     for claim in _pvc_claims(job.spec):
-        vol = f"pvc-{claim}"[:63].rstrip("-.")
+        vol = pvc_volume_name(claim)
         volumes.append({"name": vol, "persistentVolumeClaim": {"claimName": claim}})
         mounts.append({"name": vol, "mountPath": f"{PVC_MOUNT_ROOT}/{claim}"})
     if cfg.progress_url:
