@@ -105,6 +105,7 @@ ROWS: list[Row] = [
     Row("quantity-two-dots", {"spec.cluster.workers.memory": "1.5.0Gi"}, "spec.cluster.workers.memory"),
     Row("quantity-dangling-exponent", {"spec.cluster.head.cpu": "1e"}, "spec.cluster.head.cpu"),
     Row("quantity-no-digits", {"spec.cluster.workers.shmSize": ".Gi"}, "spec.cluster.workers.shmSize"),
+    Row("quantity-over-int64", {"spec.cluster.head.memory": "1E100"}, "spec.cluster.head.memory"),
     Row("quantity-doubled-suffix", {"spec.cluster.workers.hugepages2Mi": "5GiMi"}, "spec.cluster.workers.hugepages2Mi"),
     # ---------------------------------------------------------------- integers (int32 in the RayJob, seeds)
     Row("deadline-over-int32", {"spec.activeDeadlineSeconds": 2**31}, "spec.activeDeadlineSeconds"),

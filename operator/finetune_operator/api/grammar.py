@@ -32,6 +32,8 @@ from typing import Annotated, Any
 from pydantic import AfterValidator, Field
 from pydantic.json_schema import WithJsonSchema
 
+from . import quantity
+
 # ------------------------------------------------------------------------------ apimachinery fragments
 
 DNS1123_LABEL_FMT = "[a-z0-9]([-a-z0-9]*[a-z0-9])?"  # dns1123LabelFmt
@@ -47,7 +49,9 @@ LABEL_VALUE_MAX = 63
 QUALIFIED_NAME_MAX = 63  # the name part of a label key; its prefix is a DNS-1123 subdomain
 
 # Non-negative (requests, limits and emptyDir sizes may not be negative: ValidateNonnegativeQuantity).
-QUANTITY_FMT = r"[+]?([0-9]+(\.[0-9]*)?|\.[0-9]+)(Ki|Mi|Gi|Ti|Pi|Ei|[numkMGTPE]|[eE][-+]?[0-9]+)?"
+# Exponents of at most three digits: Kubernetes caps any quantity at 2^63-1 (QUANTITY's extra rule refuses
+# those), and a long exponent only makes exact arithmetic (api/quantity.py) slow.
+QUANTITY_FMT = r"[+]?([0-9]+(\.[0-9]*)?|\.[0-9]+)(Ki|Mi|Gi|Ti|Pi|Ei|[numkMGTPE]|[eE][-+]?[0-9]{1,3})?"
 
 # ------------------------------------------------------------------------------ distribution/reference
 
@@ -201,6 +205,9 @@ QUANTITY = Grammar(
     pattern=anchored(QUANTITY_FMT),
     max_length=32,
     source="kubernetes/apimachinery pkg/api/resource/quantity.go ParseQuantity",
+    extra=((f"!isQuantity(self) || quantity(self).compareTo(quantity('{2**63 - 1}')) < 0",
+            lambda v: quantity.parse(v) < 2**63 - 1,
+            "a quantity is less than 2^63-1 (Kubernetes caps larger ones)"),),
 )
 
 
