@@ -9,6 +9,7 @@ Every message starts with the field path (`spec.cluster.workers.gpusPerWorker: .
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -41,11 +42,16 @@ class SpecError(Exception):
         super().__init__("; ".join(str(i) for i in issues))
 
 
+_FIELD = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
 def _loc(loc: tuple[Any, ...]) -> str:
     out = ""
     for part in loc:
         if isinstance(part, int):
             out += f"[{part}]"
+        elif out and not _FIELD.fullmatch(str(part)):
+            out += f"[{str(part)!r}]"  # a map key (nodeSelector, labels): quoted, so the line stays one line
         else:
             out += ("." if out else "") + str(part)
     return out
