@@ -58,6 +58,11 @@ ROWS: list[Row] = [
     Row("valid-env-overrides-with-warnings", {"spec.network.requireEFA": False,
                                               "spec.cluster.env": _env("NCCL_SOCKET_IFNAME", "NCCL_NET", "MY_FLAG")},
         None),
+    Row("valid-tolerations", {"spec.cluster.tolerations": [
+        {"key": "team", "operator": "Equal", "value": "ml", "effect": "NoSchedule"},
+        {"operator": "Exists"},
+        {"key": "node.kubernetes.io/unreachable", "operator": "Exists", "effect": "NoExecute",
+         "tolerationSeconds": 300}]}, None),
     Row("valid-metadata", {"metadata.labels": {"team": "ml", "example.com/cost-center": "a-1"},
                            "metadata.annotations": {"example.com/note": "free text, spaces and all"}}, None),
     # ---------------------------------------------------------------- images (distribution/reference)
@@ -101,6 +106,20 @@ ROWS: list[Row] = [
     Row("instance-type-space", {"spec.cluster.instanceType": "g6 12xlarge"}, "spec.cluster.instanceType"),
     Row("metadata-label-value-space", {"metadata.labels": {"team": "ml platform"}}, "metadata.labels"),
     Row("metadata-annotation-key", {"metadata.annotations": {"bad key!": "x"}}, "metadata.annotations"),
+    # ---------------------------------------------------------------- tolerations (validateTolerations)
+    Row("toleration-key-space", {"spec.cluster.tolerations": [{"key": "dedicated team", "operator": "Exists"}]},
+        "spec.cluster.tolerations[0].key"),
+    Row("toleration-empty-key-equal", {"spec.cluster.tolerations": [{"operator": "Equal", "value": "x"}]},
+        "spec.cluster.tolerations[0].operator"),
+    Row("toleration-exists-with-value", {"spec.cluster.tolerations": [
+        {"key": "team", "operator": "Exists", "value": "ml"}]}, "spec.cluster.tolerations[0].value"),
+    Row("toleration-bad-effect", {"spec.cluster.tolerations": [{"key": "team", "effect": "NoScheduel"}]},
+        "spec.cluster.tolerations[0].effect"),
+    Row("toleration-seconds-without-noexecute", {"spec.cluster.tolerations": [
+        {"key": "team", "value": "ml", "effect": "NoSchedule", "tolerationSeconds": 30}]},
+        "spec.cluster.tolerations[0].tolerationSeconds"),
+    Row("toleration-value-space", {"spec.cluster.tolerations": [{"key": "team", "value": "ml team"}]},
+        "spec.cluster.tolerations[0].value"),
     # ---------------------------------------------------------------- quantities
     Row("quantity-two-dots", {"spec.cluster.workers.memory": "1.5.0Gi"}, "spec.cluster.workers.memory"),
     Row("quantity-dangling-exponent", {"spec.cluster.head.cpu": "1e"}, "spec.cluster.head.cpu"),

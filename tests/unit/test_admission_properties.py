@@ -72,6 +72,10 @@ FIELDS: dict[str, st.SearchStrategy[Any]] = {
     "spec.dataset.maxSamples": INT,
     "spec.training.checkpoint.intervalSteps": INT,
     "spec.network.requireEFA": st.booleans(),
+    "spec.cluster.tolerations": st.lists(st.fixed_dictionaries({}, optional={
+        "key": st.one_of(LABEL_KEY, st.just("")), "operator": st.sampled_from(["Equal", "Exists", "In"]),
+        "value": LABEL_VALUE, "effect": st.sampled_from(["NoSchedule", "NoExecute", "Never"]),
+        "tolerationSeconds": INT}), max_size=2),
     "metadata.labels": st.dictionaries(LABEL_KEY, LABEL_VALUE, max_size=2),
 }
 
@@ -120,6 +124,16 @@ def assert_fits_the_grammars(objs: list[dict[str, Any]]) -> None:
         for key, value in pod.get("nodeSelector", {}).items():
             _ok(g.LABEL_KEY, key, f"{where} nodeSelector key")
             _ok(g.LABEL_VALUE, value, f"{where} nodeSelector {key}")
+        for tol in pod.get("tolerations", []):
+            if tol.get("key"):
+                _ok(g.LABEL_KEY, tol["key"], f"{where} toleration key")
+            else:
+                assert tol.get("operator") == "Exists", tol
+            _ok(g.LABEL_VALUE, tol.get("value", ""), f"{where} toleration value")
+            assert tol.get("operator", "Equal") in ("Equal", "Exists") and not (
+                tol.get("operator") == "Exists" and tol.get("value")), tol
+            assert tol.get("effect", "") in ("", "NoSchedule", "PreferNoSchedule", "NoExecute"), tol
+            assert "tolerationSeconds" not in tol or tol.get("effect") == "NoExecute", tol
         for field in ("serviceAccountName", "priorityClassName"):
             if field in pod:
                 _ok(g.DNS1123_SUBDOMAIN, pod[field], f"{where} {field}")

@@ -402,6 +402,67 @@ class EnvFromSource(SpecModel):
 _OBJ = {"type": "object", "x-kubernetes-preserve-unknown-fields": True}
 
 
+class TolerationOperator(str, Enum):
+    equal = "Equal"
+    exists = "Exists"
+
+
+class TaintEffect(str, Enum):
+    no_schedule = "NoSchedule"
+    prefer_no_schedule = "PreferNoSchedule"
+    no_execute = "NoExecute"
+
+
+_EMPTY_KEY = "an empty key tolerates every taint: it needs operator Exists"
+_EXISTS_VALUE = "must be empty with operator Exists"
+_SECONDS_EFFECT = "only with effect NoExecute"
+
+
+class Toleration(SpecModel):
+    """core/v1 Toleration, checked as the API server checks a pod's (validateTolerations)."""
+
+    model_config = SpecModel.model_config | {
+        "json_schema_extra": {
+            "x-kubernetes-validations": [
+                {"rule": "!has(self.key) || self.key == '' || " + g.LABEL_KEY.cel("self.key"),
+                 "message": g.LABEL_KEY.rule, "fieldPath": ".key"},
+                {"rule": "(has(self.key) && self.key != '') || (has(self.operator) && self.operator == 'Exists')",
+                 "message": _EMPTY_KEY, "fieldPath": ".operator"},
+                {"rule": "!has(self.operator) || self.operator != 'Exists' || !has(self.value) || self.value == ''",
+                 "message": _EXISTS_VALUE, "fieldPath": ".value"},
+                {"rule": "!has(self.tolerationSeconds) || (has(self.effect) && self.effect == 'NoExecute')",
+                 "message": _SECONDS_EFFECT, "fieldPath": ".tolerationSeconds"},
+            ]
+        }
+    }
+
+    key: str | None = Field(
+        default=None, description="Taint key (a label key); empty with operator Exists tolerates every taint.",
+        max_length=g.LABEL_KEY.max_length,
+    )
+    operator: TolerationOperator | None = Field(default=None, description="Equal (the default) or Exists.")
+    value: g.LabelValue | None = Field(default=None, description="Taint value (operator Equal).")
+    effect: TaintEffect | None = Field(default=None, description="Taint effect to match; empty matches all.")
+    toleration_seconds: int | None = Field(
+        default=None, ge=-(2**63), le=g.INT64_MAX,
+        description="With effect NoExecute: how long the pod stays bound after the taint appears.",
+    )
+
+    @model_validator(mode="after")
+    def _rules(self) -> Toleration:
+        if self.key:
+            message = g.LABEL_KEY.check(self.key)
+            if message is not None:
+                raise ValueError(f"key: {message}")
+        elif self.operator is not TolerationOperator.exists:
+            raise ValueError(f"operator: {_EMPTY_KEY}")
+        if self.operator is TolerationOperator.exists and self.value:
+            raise ValueError(f"value: {_EXISTS_VALUE}")
+        if self.toleration_seconds is not None and self.effect is not TaintEffect.no_execute:
+            raise ValueError(f"tolerationSeconds: {_SECONDS_EFFECT}")
+        return self
+
+
 class ClusterSpec(SpecModel):
     """The Ray cluster the job runs on (rendered into the RayJob's rayClusterSpec)."""
 
@@ -434,11 +495,10 @@ class ClusterSpec(SpecModel):
     node_selector: g.NodeSelector = Field(
         default_factory=dict, description="Extra nodeSelector terms for the worker pods."
     )
-    tolerations: list[dict[str, Any]] = Field(
+    tolerations: list[Toleration] = Field(
         default_factory=list,
         description="Extra tolerations for all Ray pods (GPU and EFA taints are tolerated already).",
         max_length=32,
-        json_schema_extra={"items": _OBJ},  # type: ignore[dict-item]
     )
     affinity: dict[str, Any] | None = Field(
         default=None, description="Affinity for the worker pods (core/v1 Affinity).", json_schema_extra=_OBJ,  # type: ignore[arg-type]

@@ -324,7 +324,7 @@ def _head(job: s.FinetuneJob, runtime_files: Mapping[str, str], cfg: RenderConfi
     if spec.cluster.head.node_selector:
         pod["nodeSelector"] = dict(sorted(spec.cluster.head.node_selector.items()))
     if spec.cluster.tolerations:
-        pod["tolerations"] = list(spec.cluster.tolerations)
+        pod["tolerations"] = [t.wire() for t in spec.cluster.tolerations]
     return {
         "rayStartParams": {"dashboard-host": "0.0.0.0", "num-gpus": "0"},
         "template": {"metadata": _pod_meta(job, "ray-head", runtime_files, head=True), "spec": pod},
@@ -370,7 +370,7 @@ def _worker(job: s.FinetuneJob, runtime_files: Mapping[str, str], cfg: RenderCon
         tolerations.append({"key": GPU, "operator": "Exists", "effect": "NoSchedule"})
     if spec.network.efa:
         tolerations.append({"key": EFA, "operator": "Exists", "effect": "NoSchedule"})
-    tolerations += list(spec.cluster.tolerations)
+    tolerations += [t.wire() for t in spec.cluster.tolerations]
     pod: Obj = {
         **_pod_common(spec),
         "containers": [container],
@@ -407,7 +407,7 @@ def _submitter(job: s.FinetuneJob, cfg: RenderConfig) -> Obj:
     if spec.cluster.head.node_selector:
         pod["nodeSelector"] = dict(sorted(spec.cluster.head.node_selector.items()))
     if spec.cluster.tolerations:
-        pod["tolerations"] = list(spec.cluster.tolerations)
+        pod["tolerations"] = [t.wire() for t in spec.cluster.tolerations]
     return {"metadata": {"labels": labels(job, "submitter")}, "spec": pod}
 
 
