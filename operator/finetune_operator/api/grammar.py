@@ -256,7 +256,7 @@ def by_pattern(pattern: str) -> Grammar | None:
 # ------------------------------------------------------------------------------ integer ranges
 
 INT32_MAX = 2**31 - 1  # int32 fields of the pod spec and of KubeRay's RayJob (replicas, TTLs, deadlines)
-INT64_MAX = 2**63 - 1  # int64 fields (status counters, tolerationSeconds)
+INT64_MAX = 2**63 - 1  # int64 fields (status counters); not a CRD maximum: 2^63-1 is no exact JSON number
 UINT32_MAX = 2**32 - 1  # seeds: numpy and several data loaders take 32-bit seeds
 
 

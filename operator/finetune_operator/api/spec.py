@@ -444,7 +444,9 @@ class Toleration(SpecModel):
     value: g.LabelValue | None = Field(default=None, description="Taint value (operator Equal).")
     effect: TaintEffect | None = Field(default=None, description="Taint effect to match; empty matches all.")
     toleration_seconds: int | None = Field(
-        default=None, ge=-(2**63), le=g.INT64_MAX,
+        # int64 in the pod spec; negative counts as 0 there. Bounded to int32 seconds (68 years): a JSON
+        # maximum of 2^63-1 is not an exact integer to the API server's schema check.
+        default=None, ge=0, le=g.INT32_MAX,
         description="With effect NoExecute: how long the pod stays bound after the taint appears.",
     )
 
