@@ -94,6 +94,10 @@ ROWS: list[Row] = [
     Row("hub-token-key-dotdot", {"spec.model.hubTokenSecretRef": {"name": "hf", "key": "..token"}},
         "spec.model.hubTokenSecretRef.key"),
     Row("pvc-claim-double-dot", {"spec.model.source": "pvc://models..a/qwen"}, "spec.model.source"),
+    Row("storage-uri-http", {"spec.training.checkpoint.storageUri": "http://example.com/ckpt"},
+        "spec.training.checkpoint.storageUri", old_accepted=False),
+    Row("dataset-source-http", {"spec.dataset.source": "http://example.com/data.jsonl"}, "spec.dataset.source",
+        old_accepted=False),
     Row("pvc-claim-too-long", {"spec.training.checkpoint.storageUri": f"pvc://{'a' * 254}/ckpt"},
         "spec.training.checkpoint.storageUri"),
     # ---------------------------------------------------------------- labels (nodeSelector, instance type)

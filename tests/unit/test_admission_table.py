@@ -83,6 +83,10 @@ def test_crd_rules_are_the_grammar_modules() -> None:
         assert f"self.matches(r'{grammar.pattern}')" in rules, grammar.name
     assert any(g.LABEL_KEY.cel("k") in r for r in rules)
     assert any(env_policy.ALWAYS_REJECTED[0] in r for r in rules)
+    spec = build_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]
+    for part, field in (("model", "source"), ("dataset", "source")):
+        assert spec[part]["properties"][field]["pattern"].startswith("^(s3://"), part
+    assert spec["training"]["properties"]["checkpoint"]["properties"]["storageUri"]["pattern"].startswith("^(s3://")
     # RE2 and Rust/Python agree only on explicit ASCII classes.
     for grammar in g.ALL:
         assert "\\d" not in grammar.pattern and "\\w" not in grammar.pattern, grammar.name

@@ -46,7 +46,10 @@ def _claim_fits(uri: str) -> str:
     return uri
 
 
-Uri = Annotated[str, AfterValidator(_claim_fits)]
+# The pattern sits before the validator: as a Field argument beside an AfterValidator it is enforced but
+# left out of the JSON schema (and so out of the CRD).
+SourceUri = Annotated[str, Field(max_length=1024, pattern=_SOURCE), AfterValidator(_claim_fits)]
+StorageUri = Annotated[str, Field(max_length=1024, pattern=_STORAGE), AfterValidator(_claim_fits)]
 
 Str = Annotated[str, Field(max_length=253)]
 LongStr = Annotated[str, Field(max_length=4096)]
@@ -83,14 +86,12 @@ class ModelSpec(SpecModel):
 
     model_config = SpecModel.model_config | {"json_schema_extra": _immutable("spec.model")}
 
-    source: Uri = Field(
+    source: SourceUri = Field(
         description=(
             "Where the base model comes from: a Hugging Face hub id (`Qwen/Qwen2.5-1.5B`), an S3 URI "
             "(`s3://bucket/prefix`), a PersistentVolumeClaim path (`pvc://claim/path`, mounted into every "
             "Ray pod), or an absolute path visible inside the pods (or on this machine for `finetune run`)."
         ),
-        max_length=1024,
-        pattern=_SOURCE,
         json_schema_extra=_CLAIM_FITS,
     )
     revision: str | None = Field(
@@ -136,13 +137,11 @@ class DatasetSpec(SpecModel):
 
     model_config = SpecModel.model_config | {"json_schema_extra": _immutable("spec.dataset")}
 
-    source: Uri = Field(
+    source: SourceUri = Field(
         description=(
             "A Hugging Face dataset id, or a `.jsonl`/`.json`/`.parquet` file or directory given as an S3 "
             "URI, `pvc://claim/path` or absolute path."
         ),
-        max_length=1024,
-        pattern=_SOURCE,
         json_schema_extra=_CLAIM_FITS,
     )
     split: str = Field(default="train", description="Split to read (hub datasets).", max_length=63)
@@ -221,15 +220,13 @@ class CheckpointSpec(SpecModel):
     """Sharded checkpoints (torch.distributed.checkpoint) and the final Hugging Face export."""
 
     interval_steps: int = Field(default=100, ge=1, le=g.INT32_MAX, description="Save a checkpoint every this many optimizer steps.")
-    storage_uri: Uri | None = Field(
+    storage_uri: StorageUri | None = Field(
         default=None,
         description=(
             "Shared storage for checkpoints and the exported model: `s3://bucket/prefix`, `pvc://claim/path`, "
             "or an absolute path every pod can write. Required when more than one worker pod is used. "
             "`finetune run` defaults to ./.work/<job name>."
         ),
-        max_length=1024,
-        pattern=_STORAGE,
         json_schema_extra=_CLAIM_FITS,
     )
     keep: int = Field(default=2, ge=1, le=100, description="How many recent checkpoints to keep.")
