@@ -32,7 +32,15 @@ def _rule(node: dict[str, Any]) -> str:
         if text == "self == oldSelf":
             out.append("immutable")
         elif "k.matches(" in text:
-            out.append("keys: label keys")
+            out.append("keys: label keys (kubernetes/apimachinery pkg/util/validation IsQualifiedName)")
+        elif text.startswith(("!has(self.key)", "!isQuantity(self)", "self.find(", "!self.matches(",
+                              "!self.startsWith('..')", "!self.startsWith('pvc://')")):
+            out.append(str(rule["message"]))
+    values = node.get("additionalProperties")
+    if isinstance(values, dict):
+        inner = _rule(values)
+        if inner:
+            out.append(f"values: {inner}")
     if any("messageExpression" in r for r in (node.get("items") or {}).get("x-kubernetes-validations") or []):
         out.append("names: not one the operator or KubeRay reserves (table below)")
     if "pattern" in node:
