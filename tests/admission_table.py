@@ -147,6 +147,8 @@ ROWS: list[Row] = [
     Row("env-ray-address", {"spec.cluster.env": _env("MY_FLAG", "RAY_ADDRESS")}, "spec.cluster.env[1].name"),
     Row("env-hf-token-literal", {"spec.cluster.env": _env("HF_TOKEN")}, "spec.cluster.env[0].name"),
     Row("env-nccl-debug", {"spec.cluster.env": _env("NCCL_DEBUG")}, "spec.cluster.env[0].name"),
+    Row("env-over-the-annotation-budget", {"spec.cluster.env": [{"name": f"V{i}", "value": "x" * 4000}
+                                                                for i in range(40)]}, "spec.cluster.env"),
     Row("env-pinned-by-require-efa", {"spec.network.requireEFA": True, "spec.cluster.env": _env("NCCL_NET")},
         "spec.cluster.env"),
 ]

@@ -140,3 +140,14 @@ def test_every_reserved_variable_is_documented() -> None:
     doc = (ROOT / "docs" / "api.md").read_text()
     for r in env_policy.RESERVED:
         assert re.search(rf"^\| `{r.name}` \|", doc, re.M), r.name
+
+
+def test_a_job_too_big_for_the_head_pods_annotation_is_refused_by_validate() -> None:
+    # Python only: affinity is free-form, so the CRD cannot size it (the env list it can: a table row).
+    from tests.builders import JobDoc
+
+    doc = JobDoc().set("spec.cluster.affinity", {"nodeAffinity": {"x": ["y" * 1000] * 250}}).obj()
+    job, issues = check(doc)
+    assert job is None
+    (issue,) = issues
+    assert issue.path == "spec" and "annotation of the Ray head pod" in issue.message, str(issue)

@@ -9,9 +9,11 @@ suite checks both against the same table of bad specs.
 
 from __future__ import annotations
 
+import json
 from enum import Enum
 from typing import Annotated, Any
 
+import yaml
 from pydantic import AfterValidator, Field, model_validator
 
 from . import env_policy
@@ -462,10 +464,40 @@ class Toleration(SpecModel):
         return self
 
 
+# The resolved job travels in one annotation of the Ray head pod (render/rayjob.py CONFIG_ANNOTATION), and a
+# pod's annotations may hold 256 KiB in all (apimachinery TotalAnnotationSizeLimitB): KubeRay could not create
+# the head pod of a bigger job. The env list is the one large field with a bound the API server can sum.
+ENV_BYTES_MAX = 128 * 1024
+JOB_DOCUMENT_BYTES_MAX = 192 * 1024
+_ENV_TOO_BIG = (f"names and values add up to more than {ENV_BYTES_MAX} bytes (the resolved job travels in one "
+                "annotation of the Ray head pod, and a pod's annotations hold at most 256 KiB); put large values "
+                "in a ConfigMap or Secret and use envFrom")
+
+
+def _document_size(wire: dict[str, Any]) -> int:
+    """Bytes of the spec as the renderer writes it (YAML); JSON first, as YAML is slow to write and a job far
+    under the limit as JSON is far under it as YAML too (the margin covers YAML's indentation)."""
+    rough = len(json.dumps(wire, separators=(",", ":")))
+    if rough < JOB_DOCUMENT_BYTES_MAX // 2:
+        return rough
+    return len(yaml.safe_dump(wire, sort_keys=True, width=120).encode())
+
+
 class ClusterSpec(SpecModel):
     """The Ray cluster the job runs on (rendered into the RayJob's rayClusterSpec)."""
 
-    model_config = SpecModel.model_config | {"json_schema_extra": _immutable("spec.cluster")}
+    model_config = SpecModel.model_config | {"json_schema_extra": {"x-kubernetes-validations": [
+        *_immutable("spec.cluster")["x-kubernetes-validations"],
+        {"rule": f"!has(self.env) || self.env.map(e, size(e.name) + (has(e.value) ? size(e.value) : 0)).sum() "
+                 f"<= {ENV_BYTES_MAX}",
+         "message": _ENV_TOO_BIG, "fieldPath": ".env"},
+    ]}}
+
+    @model_validator(mode="after")
+    def _env_size(self) -> ClusterSpec:
+        if sum(len(e.name) + len(e.value) for e in self.env) > ENV_BYTES_MAX:
+            raise ValueError(f"env: {_ENV_TOO_BIG}")
+        return self
 
     image: g.Image = Field(
         default=DEFAULT_IMAGE,
@@ -713,6 +745,14 @@ class FinetuneJobSpec(SpecModel):
             for i, e in enumerate(self.cluster.env):
                 if e.name in env_policy.PINNED_BY_REQUIRE_EFA:
                     raise ValueError(f"cluster.env[{i}].name: {env_policy.REQUIRE_EFA_MESSAGE}")
+        size = _document_size(self.wire())
+        if size > JOB_DOCUMENT_BYTES_MAX:
+            # Only here, not in the CRD: affinity is free-form, so the API server cannot size it.
+            raise ValueError(
+                f"the resolved job is {size} bytes as YAML, over {JOB_DOCUMENT_BYTES_MAX}: it travels in one "
+                "annotation of the Ray head pod, and a pod's annotations hold at most 256 KiB (largest parts: "
+                "cluster.env, cluster.affinity, cluster.pip)"
+            )
         if self.cluster.workers.replicas > 1 and not self.training.checkpoint.storage_uri:
             raise ValueError(
                 "training.checkpoint.storageUri: required when cluster.workers.replicas > 1 "
