@@ -256,19 +256,14 @@ def by_pattern(pattern: str) -> Grammar | None:
 # ------------------------------------------------------------------------------ integer ranges
 
 INT32_MAX = 2**31 - 1  # int32 fields of the pod spec and of KubeRay's RayJob (replicas, TTLs, deadlines)
-INT64_MAX = 2**63 - 1  # int64 fields (status counters); not a CRD maximum: 2^63-1 is no exact JSON number
 UINT32_MAX = 2**32 - 1  # seeds: numpy and several data loaders take 32-bit seeds
 
 
 # ------------------------------------------------------------------------------ pydantic field types
 
 
-def string_type(g: Grammar) -> Any:
-    """A str checked by `g` in Python, described by `g.schema()` in the CRD (one definition, both sides)."""
-    return Annotated[str, AfterValidator(g.validate), WithJsonSchema(g.schema())]
-
-
-# Spelt out (not string_type(...)) so that type checkers see them as types.
+# A str checked by the grammar in Python (Grammar.validate) and described by Grammar.schema() in the CRD: one
+# definition, both sides. Spelt out one by one so that type checkers see them as types.
 DNSSubdomain = Annotated[str, AfterValidator(DNS1123_SUBDOMAIN.validate), WithJsonSchema(DNS1123_SUBDOMAIN.schema())]
 DNSLabel = Annotated[str, AfterValidator(DNS1123_LABEL.validate), WithJsonSchema(DNS1123_LABEL.schema())]
 LabelValue = Annotated[str, AfterValidator(LABEL_VALUE.validate), WithJsonSchema(LABEL_VALUE.schema())]
