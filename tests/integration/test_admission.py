@@ -13,11 +13,13 @@ from typing import Any
 
 import pytest
 import yaml
+from finetune_operator.api.validation import check
 from kubernetes import client, config
 from kubernetes.client.rest import ApiException
 
+from tests.admission_table import ROWS, Row
 from tests.builders import ftj
-from tests.integration.conftest import Kube
+from tests.integration.conftest import Kube, create_namespace
 from tests.integration.operator_fixtures import ROOT, install_deploy, service_account_kubeconfig, token_kubeconfig
 from tests.integration.support import G, P, V, denial, dry_create
 
@@ -38,6 +40,41 @@ def test_name_must_be_a_dns1035_label(kube: Kube, namespace: str, deployed: None
     assert err.status == 422
     assert "metadata.name: must be a DNS-1035 label" in err.body, err.body
     kube.custom.create_namespaced_custom_object(G, V, namespace, P, ftj("qwen25-ft"), dry_run="All")
+
+
+# ----------------------------------------------------------------------------- issue 30: one table, two checkers
+
+
+@pytest.fixture(scope="module")
+def table_namespace(kube: Kube) -> Iterator[str]:
+    name = f"t-admission-table-{uuid.uuid4().hex[:6]}"
+    create_namespace(kube.core, name, timeout=30)
+    yield name
+    kube.core.delete_namespace(name)
+
+
+@pytest.mark.parametrize("row", ROWS, ids=[r.id for r in ROWS])
+def test_api_server_and_finetune_validate_agree(kube: Kube, table_namespace: str, row: Row) -> None:
+    """tests/admission_table.py through `finetune validate`'s check() and a server-side dry run with the
+    generated CRD: the same verdict, and the row's field path in both messages. (Where deploy/'s policies
+    are installed by another test of this module, they have nothing to say about the valid rows.)"""
+    doc = row.doc()
+    job, issues = check(doc)
+    errors = [str(i) for i in issues if i.severity == "error"]
+    try:
+        kube.custom.create_namespaced_custom_object(G, V, table_namespace, P, doc, dry_run="All")
+        server: ApiException | None = None
+    except ApiException as err:
+        server = err
+    if row.path is None:
+        assert job is not None and not errors, errors
+        assert server is None, server.body if server else ""
+        return
+    assert job is None and any(e.startswith(row.path) for e in errors), errors
+    assert server is not None, f"the API server accepted {row.id}; finetune validate said {errors}"
+    assert server.status == 422, server.body
+    message = json.loads(server.body)["message"]
+    assert row.path in message, message
 
 
 FIT = [

@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 import yaml
+from finetune_operator.api.grammar import DNS1123_LABEL
 from finetune_operator.api.validation import SpecError, parse_job
 from finetune_operator.render.config import CONFIG_KEY, CONFIG_MOUNT, RenderConfig, progress_audience
 from finetune_operator.render.rayjob import (
@@ -178,6 +179,29 @@ def test_pvc_sources_are_mounted_once_per_claim() -> None:
     assert claims == ["ckpt", "fsx"]
     mounts = {m["mountPath"] for m in spec["containers"][0]["volumeMounts"]}
     assert {"/mnt/finetune/pvc/fsx", "/mnt/finetune/pvc/ckpt"} <= mounts
+
+
+def test_pvc_volume_names_are_dns1123_labels_for_any_claim() -> None:
+    # A claim is a DNS-1123 subdomain (dots, up to 253 characters); a volume name is a DNS-1123 label. Before
+    # issue 30 `pvc://models.team-a/...` rendered the volume `pvc-models.team-a`, which the API server refuses
+    # when KubeRay creates the pod (the RayJob itself is accepted): a job stuck after admission.
+    long_claim = "c" * 70
+    doc = (
+        JobDoc()
+        .set("spec.model.source", "pvc://models.team-a/qwen")
+        .set("spec.dataset.source", "pvc://models-team-a/data.jsonl")
+        .set("spec.training.checkpoint.storageUri", f"pvc://{long_claim}/runs")
+        .obj()
+    )
+    spec = workers(rayjob_for(doc))["template"]["spec"]
+    vols = {v["persistentVolumeClaim"]["claimName"]: v["name"] for v in spec["volumes"] if "persistentVolumeClaim" in v}
+    assert set(vols) == {"models.team-a", "models-team-a", long_claim}
+    assert vols["models-team-a"] == "pvc-models-team-a"  # a label already: kept as it was
+    assert len(set(vols.values())) == 3
+    for name in vols.values():
+        assert DNS1123_LABEL.check(name) is None, name
+    mounts = {m["name"] for m in spec["containers"][0]["volumeMounts"]}
+    assert set(vols.values()) <= mounts
 
 
 def test_user_env_overrides_defaults_and_extras_are_kept() -> None:

@@ -47,7 +47,7 @@ BAD = [
     ),
     ("cpu-over-allocatable", JobDoc().set("spec.cluster.workers.cpu", "48"), "spec.cluster.workers.cpu", "allocatable"),
     ("memory-over-allocatable", JobDoc().set("spec.cluster.workers.memory", "190Gi"), "spec.cluster.workers.memory", "allocatable"),
-    ("bad-quantity", JobDoc().set("spec.cluster.workers.memory", "lots"), "spec.cluster.workers.memory", "pattern"),
+    ("bad-quantity", JobDoc().set("spec.cluster.workers.memory", "lots"), "spec.cluster.workers.memory", "Kubernetes quantity"),
     (
         "require-efa-without-efa",
         JobDoc()

@@ -14,6 +14,8 @@ class SpecModel(BaseModel):
         populate_by_name=True,
         extra="forbid",
         frozen=True,
+        # YAML can say .inf and .nan; JSON (the API server) cannot, and no bound means anything with them.
+        allow_inf_nan=False,
         use_enum_values=False,
     )
 

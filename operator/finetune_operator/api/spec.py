@@ -9,12 +9,15 @@ suite checks both against the same table of bad specs.
 
 from __future__ import annotations
 
-import re
+import json
 from enum import Enum
 from typing import Annotated, Any
 
-from pydantic import Field, model_validator
+import yaml
+from pydantic import AfterValidator, Field, model_validator
 
+from . import env_policy
+from . import grammar as g
 from .base import SpecModel
 
 GROUP = "finetune.dev"
@@ -29,11 +32,26 @@ DEFAULT_IMAGE = "public.ecr.aws/deep-learning-containers/ray:train-ml-cuda-v1.0"
 DEFAULT_RAY_VERSION = "2.58.0"
 DEFAULT_INSTANCE_TYPE = "g6.12xlarge"
 
-_QUANTITY = r"^([+]?[0-9.]+)([eEinumkKMGTP]*[-+]?[0-9]*)$"
-_K8S_NAME = r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$"
-_DNS1035 = DNS1035 = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
-_ENV_NAME = r"^[-._a-zA-Z][-._a-zA-Z0-9]*$"
-_SOURCE = r"^(s3://[^/]+(/.*)?|pvc://[a-z0-9]([-a-z0-9.]*[a-z0-9])?(/.*)?|/.*|\./.*|[A-Za-z0-9][-\w.]*(/[-\w.]+)?)$"
+_DNS1035 = DNS1035 = g.anchored(g.DNS1035_LABEL_FMT)
+_PVC = f"pvc://{g.DNS1123_SUBDOMAIN_FMT}(/.*)?"
+_SOURCE = rf"^(s3://[^/]+(/.*)?|{_PVC}|/.*|\./.*|[A-Za-z0-9][-\w.]*(/[-\w.]+)?)$"
+_STORAGE = rf"^(s3://[^/]+(/.*)?|{_PVC}|/.*|\./.*)$"
+# The claim of a pvc:// URI names a PersistentVolumeClaim: a DNS-1123 subdomain, at most 253 characters.
+_CLAIM_FITS: dict[str, Any] = {"x-kubernetes-validations": [{
+    "rule": "!self.startsWith('pvc://') || self.substring(6).split('/')[0].size() <= 253",
+    "message": "the claim of a pvc:// URI names a PersistentVolumeClaim: at most 253 characters"}]}
+
+
+def _claim_fits(uri: str) -> str:
+    if uri.startswith("pvc://") and len(uri[6:].split("/")[0]) > g.DNS1123_SUBDOMAIN_MAX:
+        raise ValueError("the claim of a pvc:// URI names a PersistentVolumeClaim: at most 253 characters")
+    return uri
+
+
+# The pattern sits before the validator: as a Field argument beside an AfterValidator it is enforced but
+# left out of the JSON schema (and so out of the CRD).
+SourceUri = Annotated[str, Field(max_length=1024, pattern=_SOURCE), AfterValidator(_claim_fits)]
+StorageUri = Annotated[str, Field(max_length=1024, pattern=_STORAGE), AfterValidator(_claim_fits)]
 
 Str = Annotated[str, Field(max_length=253)]
 LongStr = Annotated[str, Field(max_length=4096)]
@@ -61,10 +79,8 @@ class DType(str, Enum):
 
 
 class SecretKeyRef(SpecModel):
-    name: str = Field(
-        description="Name of a Secret in the FinetuneJob's namespace.", max_length=253, pattern=_K8S_NAME
-    )
-    key: str = Field(default="token", description="Key inside the Secret.", max_length=253)
+    name: g.DNSSubdomain = Field(description="Name of a Secret in the FinetuneJob's namespace.")
+    key: g.ConfigMapKey = Field(default="token", description="Key inside the Secret.")
 
 
 class ModelSpec(SpecModel):
@@ -72,14 +88,13 @@ class ModelSpec(SpecModel):
 
     model_config = SpecModel.model_config | {"json_schema_extra": _immutable("spec.model")}
 
-    source: str = Field(
+    source: SourceUri = Field(
         description=(
             "Where the base model comes from: a Hugging Face hub id (`Qwen/Qwen2.5-1.5B`), an S3 URI "
             "(`s3://bucket/prefix`), a PersistentVolumeClaim path (`pvc://claim/path`, mounted into every "
             "Ray pod), or an absolute path visible inside the pods (or on this machine for `finetune run`)."
         ),
-        max_length=1024,
-        pattern=_SOURCE,
+        json_schema_extra=_CLAIM_FITS,
     )
     revision: str | None = Field(
         default=None,
@@ -124,13 +139,12 @@ class DatasetSpec(SpecModel):
 
     model_config = SpecModel.model_config | {"json_schema_extra": _immutable("spec.dataset")}
 
-    source: str = Field(
+    source: SourceUri = Field(
         description=(
             "A Hugging Face dataset id, or a `.jsonl`/`.json`/`.parquet` file or directory given as an S3 "
             "URI, `pvc://claim/path` or absolute path."
         ),
-        max_length=1024,
-        pattern=_SOURCE,
+        json_schema_extra=_CLAIM_FITS,
     )
     split: str = Field(default="train", description="Split to read (hub datasets).", max_length=63)
     format: DatasetFormat = Field(
@@ -152,7 +166,7 @@ class DatasetSpec(SpecModel):
         default="messages", description="Field holding the message list (format chat).", max_length=63
     )
     max_samples: int | None = Field(
-        default=None, ge=1, description="Use at most this many records (after shuffling with the seed)."
+        default=None, ge=1, le=g.INT32_MAX, description="Use at most this many records (after shuffling with the seed)."
     )
     eval_fraction: float = Field(
         default=0.05,
@@ -207,16 +221,15 @@ class FSDPSpec(SpecModel):
 class CheckpointSpec(SpecModel):
     """Sharded checkpoints (torch.distributed.checkpoint) and the final Hugging Face export."""
 
-    interval_steps: int = Field(default=100, ge=1, description="Save a checkpoint every this many optimizer steps.")
-    storage_uri: str | None = Field(
+    interval_steps: int = Field(default=100, ge=1, le=g.INT32_MAX, description="Save a checkpoint every this many optimizer steps.")
+    storage_uri: StorageUri | None = Field(
         default=None,
         description=(
             "Shared storage for checkpoints and the exported model: `s3://bucket/prefix`, `pvc://claim/path`, "
             "or an absolute path every pod can write. Required when more than one worker pod is used. "
             "`finetune run` defaults to ./.work/<job name>."
         ),
-        max_length=1024,
-        pattern=r"^(s3://[^/]+(/.*)?|pvc://[a-z0-9]([-a-z0-9.]*[a-z0-9])?(/.*)?|/.*|\./.*)$",
+        json_schema_extra=_CLAIM_FITS,
     )
     keep: int = Field(default=2, ge=1, le=100, description="How many recent checkpoints to keep.")
 
@@ -246,7 +259,7 @@ class TrainingSpec(SpecModel):
     }
 
     epochs: int = Field(default=1, ge=1, le=1000, description="Passes over the training split (ignored if maxSteps is set).")
-    max_steps: int | None = Field(default=None, ge=1, description="Stop after this many optimizer steps.")
+    max_steps: int | None = Field(default=None, ge=1, le=g.INT32_MAX, description="Stop after this many optimizer steps.")
     learning_rate: float = Field(default=2e-5, gt=0.0, le=1.0, description="Peak AdamW learning rate.")
     scheduler: Scheduler = Field(default=Scheduler.cosine, description="Learning-rate decay after warmup.")
     warmup_ratio: float = Field(
@@ -256,18 +269,19 @@ class TrainingSpec(SpecModel):
     global_batch_size: int = Field(
         default=32,
         ge=1,
+        le=2**20,
         description=(
             "Sequences per optimizer step over all data-parallel ranks. Must be a multiple of "
             "microBatchSize x data-parallel ranks; the quotient is the gradient-accumulation count."
         ),
     )
-    micro_batch_size: int = Field(default=1, ge=1, description="Sequences per rank per forward/backward pass.")
+    micro_batch_size: int = Field(default=1, ge=1, le=2**16, description="Sequences per rank per forward/backward pass.")
     sequence_length: int = Field(default=2048, ge=16, le=131072, description="Tokens per training sequence.")
     packing: bool = Field(
         default=True, description="Concatenate examples and cut them into full sequences (no padding waste)."
     )
-    max_grad_norm: float = Field(default=1.0, ge=0.0, description="Gradient clipping by global norm (0 disables).")
-    seed: int = Field(default=42, ge=0, description="Seed for data shuffling, eval split and initialisation.")
+    max_grad_norm: float = Field(default=1.0, ge=0.0, le=1e6, description="Gradient clipping by global norm (0 disables).")
+    seed: int = Field(default=42, ge=0, le=g.UINT32_MAX, description="Seed for data shuffling, eval split and initialisation.")
     precision: Precision = Field(
         default=Precision.auto,
         description=(
@@ -276,7 +290,7 @@ class TrainingSpec(SpecModel):
         ),
     )
     eval_interval_steps: int = Field(
-        default=100, ge=1, description="Evaluate on the held-out split every this many steps (and at the end)."
+        default=100, ge=1, le=g.INT32_MAX, description="Evaluate on the held-out split every this many steps (and at the end)."
     )
     fsdp: FSDPSpec = Field(default_factory=FSDPSpec, description="FSDP sharding and memory settings.")
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec, description="Checkpointing and export.")
@@ -312,60 +326,59 @@ class WorkersSpec(SpecModel):
             "(smoke tests). Must not exceed the instance type's GPUs."
         ),
     )
-    cpu: str | None = Field(
+    cpu: g.Quantity | None = Field(
         default=None,
         description="CPU request/limit per worker pod. Default: five sixths of the instance's vCPUs.",
-        max_length=32,
-        pattern=_QUANTITY,
     )
-    memory: str | None = Field(
+    memory: g.Quantity | None = Field(
         default=None,
         description="Memory request/limit per worker pod. Default: five sixths of the instance's memory.",
-        max_length=32,
-        pattern=_QUANTITY,
     )
-    shm_size: str | None = Field(
+    shm_size: g.Quantity | None = Field(
         default=None,
         description="Size of the memory-backed /dev/shm volume. Default: a quarter of the worker memory, at most 64Gi.",
-        max_length=32,
-        pattern=_QUANTITY,
     )
-    hugepages2_mi: str = Field(
+    hugepages2_mi: g.Quantity = Field(
         default="5120Mi",
         alias="hugepages2Mi",
         description="hugepages-2Mi requested per worker pod when EFA is on (libfabric registers memory in them).",
-        max_length=32,
-        pattern=_QUANTITY,
     )
 
 
 class HeadSpec(SpecModel):
     """The Ray head pod (GCS, dashboard, job driver). It gets no GPUs."""
 
-    cpu: str = Field(default="4", description="CPU request/limit of the head pod.", max_length=32, pattern=_QUANTITY)
-    memory: str = Field(
-        default="16Gi", description="Memory request/limit of the head pod.", max_length=32, pattern=_QUANTITY
-    )
-    node_selector: dict[str, Str] = Field(
+    cpu: g.Quantity = Field(default="4", description="CPU request/limit of the head pod.")
+    memory: g.Quantity = Field(default="16Gi", description="Memory request/limit of the head pod.")
+    node_selector: g.NodeSelector = Field(
         default_factory=dict,
         description="nodeSelector for the head pod (by default it lands on any untainted node).",
-        max_length=32,
     )
 
 
 class EnvVar(SpecModel):
-    name: str = Field(description="Environment variable name.", max_length=253, pattern=_ENV_NAME)
+    model_config = SpecModel.model_config | {
+        "json_schema_extra": {"x-kubernetes-validations": list(env_policy.ITEM_VALIDATIONS)}
+    }
+
+    name: g.EnvVarName = Field(description="Environment variable name.")
     value: str = Field(default="", description="Literal value.", max_length=32768)
+
+    @model_validator(mode="after")
+    def _not_reserved(self) -> EnvVar:
+        if self.name in env_policy.ALWAYS_REJECTED:
+            raise ValueError(f"name: {env_policy.rejection(self.name)}")
+        return self
 
 
 class EnvFromSource(SpecModel):
-    config_map_ref: str | None = Field(
-        default=None, description="Name of a ConfigMap whose keys become environment variables.", max_length=253
+    config_map_ref: g.DNSSubdomain | None = Field(
+        default=None, description="Name of a ConfigMap whose keys become environment variables."
     )
-    secret_ref: str | None = Field(
-        default=None, description="Name of a Secret whose keys become environment variables.", max_length=253
+    secret_ref: g.DNSSubdomain | None = Field(
+        default=None, description="Name of a Secret whose keys become environment variables."
     )
-    prefix: str | None = Field(default=None, description="Prefix added to every key.", max_length=253)
+    prefix: g.EnvVarName | None = Field(default=None, description="Prefix added to every key.")
 
     model_config = SpecModel.model_config | {
         "json_schema_extra": {
@@ -388,27 +401,119 @@ class EnvFromSource(SpecModel):
 _OBJ = {"type": "object", "x-kubernetes-preserve-unknown-fields": True}
 
 
+class TolerationOperator(str, Enum):
+    equal = "Equal"
+    exists = "Exists"
+
+
+class TaintEffect(str, Enum):
+    no_schedule = "NoSchedule"
+    prefer_no_schedule = "PreferNoSchedule"
+    no_execute = "NoExecute"
+
+
+_EMPTY_KEY = "an empty key tolerates every taint: it needs operator Exists"
+_EXISTS_VALUE = "must be empty with operator Exists"
+_SECONDS_EFFECT = "only with effect NoExecute"
+
+
+class Toleration(SpecModel):
+    """core/v1 Toleration, checked as the API server checks a pod's (validateTolerations)."""
+
+    model_config = SpecModel.model_config | {
+        "json_schema_extra": {
+            "x-kubernetes-validations": [
+                {"rule": "!has(self.key) || self.key == '' || " + g.LABEL_KEY.cel("self.key"),
+                 "message": g.LABEL_KEY.rule, "fieldPath": ".key"},
+                {"rule": "(has(self.key) && self.key != '') || (has(self.operator) && self.operator == 'Exists')",
+                 "message": _EMPTY_KEY, "fieldPath": ".operator"},
+                {"rule": "!has(self.operator) || self.operator != 'Exists' || !has(self.value) || self.value == ''",
+                 "message": _EXISTS_VALUE, "fieldPath": ".value"},
+                {"rule": "!has(self.tolerationSeconds) || (has(self.effect) && self.effect == 'NoExecute')",
+                 "message": _SECONDS_EFFECT, "fieldPath": ".tolerationSeconds"},
+            ]
+        }
+    }
+
+    key: str | None = Field(
+        default=None, description="Taint key (a label key); empty with operator Exists tolerates every taint.",
+        max_length=g.LABEL_KEY.max_length,
+    )
+    operator: TolerationOperator | None = Field(default=None, description="Equal (the default) or Exists.")
+    value: g.LabelValue | None = Field(default=None, description="Taint value (operator Equal).")
+    effect: TaintEffect | None = Field(default=None, description="Taint effect to match; empty matches all.")
+    toleration_seconds: int | None = Field(
+        # int64 in the pod spec; negative counts as 0 there. Bounded to int32 seconds (68 years): a JSON
+        # maximum of 2^63-1 is not an exact integer to the API server's schema check.
+        default=None, ge=0, le=g.INT32_MAX,
+        description="With effect NoExecute: how long the pod stays bound after the taint appears.",
+    )
+
+    @model_validator(mode="after")
+    def _rules(self) -> Toleration:
+        if self.key:
+            message = g.LABEL_KEY.check(self.key)
+            if message is not None:
+                raise ValueError(f"key: {message}")
+        elif self.operator is not TolerationOperator.exists:
+            raise ValueError(f"operator: {_EMPTY_KEY}")
+        if self.operator is TolerationOperator.exists and self.value:
+            raise ValueError(f"value: {_EXISTS_VALUE}")
+        if self.toleration_seconds is not None and self.effect is not TaintEffect.no_execute:
+            raise ValueError(f"tolerationSeconds: {_SECONDS_EFFECT}")
+        return self
+
+
+# The resolved job travels in one annotation of the Ray head pod (render/rayjob.py CONFIG_ANNOTATION), and a
+# pod's annotations may hold 256 KiB in all (apimachinery TotalAnnotationSizeLimitB): KubeRay could not create
+# the head pod of a bigger job. The env list is the one large field with a bound the API server can sum.
+ENV_BYTES_MAX = 128 * 1024
+JOB_DOCUMENT_BYTES_MAX = 192 * 1024
+_ENV_TOO_BIG = (f"names and values add up to more than {ENV_BYTES_MAX} bytes (the resolved job travels in one "
+                "annotation of the Ray head pod, and a pod's annotations hold at most 256 KiB); put large values "
+                "in a ConfigMap or Secret and use envFrom")
+
+
+def _document_size(wire: dict[str, Any]) -> int:
+    """Bytes of the spec as the renderer writes it (YAML); JSON first, as YAML is slow to write and a job far
+    under the limit as JSON is far under it as YAML too (the margin covers YAML's indentation)."""
+    rough = len(json.dumps(wire, separators=(",", ":")))
+    if rough < JOB_DOCUMENT_BYTES_MAX // 2:
+        return rough
+    return len(yaml.safe_dump(wire, sort_keys=True, width=120).encode())
+
+
 class ClusterSpec(SpecModel):
     """The Ray cluster the job runs on (rendered into the RayJob's rayClusterSpec)."""
 
-    model_config = SpecModel.model_config | {"json_schema_extra": _immutable("spec.cluster")}
+    model_config = SpecModel.model_config | {"json_schema_extra": {"x-kubernetes-validations": [
+        *_immutable("spec.cluster")["x-kubernetes-validations"],
+        {"rule": f"!has(self.env) || self.env.map(e, size(e.name) + (has(e.value) ? size(e.value) : 0)).sum() "
+                 f"<= {ENV_BYTES_MAX}",
+         "message": _ENV_TOO_BIG, "fieldPath": ".env"},
+    ]}}
 
-    image: str = Field(
+    @model_validator(mode="after")
+    def _env_size(self) -> ClusterSpec:
+        if sum(len(e.name) + len(e.value) for e in self.env) > ENV_BYTES_MAX:
+            raise ValueError(f"env: {_ENV_TOO_BIG}")
+        return self
+
+    image: g.Image = Field(
         default=DEFAULT_IMAGE,
         description="Container image for head and workers. Default: the AWS Ray Train DLC, used as published.",
-        max_length=512,
     )
     ray_version: str = Field(
-        default=DEFAULT_RAY_VERSION, description="Ray version inside the image.", max_length=32, pattern=r"^\d+\.\d+\.\d+$"
+        default=DEFAULT_RAY_VERSION, description="Ray version inside the image.", max_length=32,
+        pattern=r"^[0-9]+\.[0-9]+\.[0-9]+$",
     )
-    instance_type: str = Field(
+    instance_type: g.NodeLabelValue = Field(
         default=DEFAULT_INSTANCE_TYPE,
         description=(
             "EC2 instance type of the worker node group (matched with node.kubernetes.io/instance-type). "
             "Known: g6.12xlarge, g6.48xlarge, g5.48xlarge, p4d.24xlarge, p5.48xlarge, m5.2xlarge, m5.4xlarge, "
             "m7i.4xlarge."
         ),
-        max_length=63,
     )
     workers: WorkersSpec = Field(default_factory=WorkersSpec, description="Worker pods and their resources.")
     efa_interfaces_per_worker: int | None = Field(
@@ -418,21 +523,20 @@ class ClusterSpec(SpecModel):
         description="EFA interfaces requested per worker pod. Default: all of the instance's interfaces.",
     )
     head: HeadSpec = Field(default_factory=HeadSpec, description="The Ray head pod.")
-    node_selector: dict[str, Str] = Field(
-        default_factory=dict, description="Extra nodeSelector terms for the worker pods.", max_length=32
+    node_selector: g.NodeSelector = Field(
+        default_factory=dict, description="Extra nodeSelector terms for the worker pods."
     )
-    tolerations: list[dict[str, Any]] = Field(
+    tolerations: list[Toleration] = Field(
         default_factory=list,
         description="Extra tolerations for all Ray pods (GPU and EFA taints are tolerated already).",
         max_length=32,
-        json_schema_extra={"items": _OBJ},  # type: ignore[dict-item]
     )
     affinity: dict[str, Any] | None = Field(
         default=None, description="Affinity for the worker pods (core/v1 Affinity).", json_schema_extra=_OBJ,  # type: ignore[arg-type]
     )
-    priority_class_name: str | None = Field(default=None, description="PriorityClass for all Ray pods.", max_length=253)
-    service_account_name: str | None = Field(
-        default=None, description="ServiceAccount the Ray pods run as (e.g. one with an IRSA role for S3).", max_length=253
+    priority_class_name: g.DNSSubdomain | None = Field(default=None, description="PriorityClass for all Ray pods.")
+    service_account_name: g.DNSSubdomain | None = Field(
+        default=None, description="ServiceAccount the Ray pods run as (e.g. one with an IRSA role for S3)."
     )
     env: list[EnvVar] = Field(
         default_factory=list, description="Extra environment variables for all Ray containers.", max_length=128
@@ -572,6 +676,7 @@ class FinetuneJobSpec(SpecModel):
                     "message": "network.requireEFA needs network.efa: true",
                     "fieldPath": ".network.requireEFA",
                 },
+                *env_policy.SPEC_VALIDATIONS,
             ]
         }
     }
@@ -586,7 +691,7 @@ class FinetuneJobSpec(SpecModel):
         description="Suspend the job: the Ray cluster is deleted, and recreated from the last checkpoint on resume.",
     )
     active_deadline_seconds: int | None = Field(
-        default=None, ge=1, description="Fail the job if it runs longer than this (per attempt)."
+        default=None, ge=1, le=g.INT32_MAX, description="Fail the job if it runs longer than this (per attempt)."
     )
     backoff_limit: int = Field(
         default=0, ge=0, le=100, description="Retries of the whole job (each on a fresh Ray cluster, resuming)."
@@ -594,6 +699,7 @@ class FinetuneJobSpec(SpecModel):
     ttl_seconds_after_finished: int | None = Field(
         default=None,
         ge=0,
+        le=g.INT32_MAX,
         description="Delete the Ray cluster this long after the job finishes (default: deleted right away).",
     )
     ttl_seconds_after_failure: int = Field(
@@ -635,6 +741,18 @@ class FinetuneJobSpec(SpecModel):
             raise ValueError(
                 "training.precision: bf16 needs GPUs (cluster.workers.gpusPerWorker > 0); use auto or fp32"
             )
+        if self.network.require_efa:
+            for i, e in enumerate(self.cluster.env):
+                if e.name in env_policy.PINNED_BY_REQUIRE_EFA:
+                    raise ValueError(f"cluster.env[{i}].name: {env_policy.REQUIRE_EFA_MESSAGE}")
+        size = _document_size(self.wire())
+        if size > JOB_DOCUMENT_BYTES_MAX:
+            # Only here, not in the CRD: affinity is free-form, so the API server cannot size it.
+            raise ValueError(
+                f"the resolved job is {size} bytes as YAML, over {JOB_DOCUMENT_BYTES_MAX}: it travels in one "
+                "annotation of the Ray head pod, and a pod's annotations hold at most 256 KiB (largest parts: "
+                "cluster.env, cluster.affinity, cluster.pip)"
+            )
         if self.cluster.workers.replicas > 1 and not self.training.checkpoint.storage_uri:
             raise ValueError(
                 "training.checkpoint.storageUri: required when cluster.workers.replicas > 1 "
@@ -651,9 +769,10 @@ class ObjectMeta(SpecModel):
         max_length=47,
         pattern=_DNS1035,
     )
-    namespace: str | None = Field(default=None, description="Namespace.", max_length=63)
-    labels: dict[str, str] = Field(default_factory=dict, description="Labels.")
-    annotations: dict[str, str] = Field(default_factory=dict, description="Annotations.")
+    namespace: g.DNSLabel | None = Field(default=None, description="Namespace.")
+    # The API server checks metadata of every object itself; these make `finetune validate` agree with it.
+    labels: g.Labels = Field(default_factory=dict, description="Labels.")
+    annotations: g.Annotations = Field(default_factory=dict, description="Annotations.")
     uid: str | None = Field(default=None, description="Server-assigned UID.")
     generation: int | None = Field(default=None, description="Server-assigned generation.")
 
@@ -676,5 +795,3 @@ class FinetuneJob(SpecModel):
             raise ValueError(f"kind: must be {KIND}, got {self.kind!r}")
         return self
 
-
-NAME_RE = re.compile(_K8S_NAME)

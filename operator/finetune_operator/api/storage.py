@@ -11,8 +11,10 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from .grammar import DNS1123_SUBDOMAIN_FMT
+
 PVC_MOUNT_ROOT = "/mnt/finetune/pvc"
-_PVC = re.compile(r"^pvc://(?P<claim>[a-z0-9]([-a-z0-9.]*[a-z0-9])?)(?P<path>/.*)?$")
+_PVC = re.compile(rf"^pvc://(?P<claim>{DNS1123_SUBDOMAIN_FMT})(?P<path>/.*)?$")  # a claim names a PVC
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ Every message starts with the field path (`spec.cluster.workers.gpusPerWorker: .
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -16,8 +17,8 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
+from . import env_policy, quantity
 from . import instance_types as it
-from . import quantity
 from .spec import FinetuneJob, FinetuneJobSpec
 from .storage import is_local_path
 
@@ -41,11 +42,16 @@ class SpecError(Exception):
         super().__init__("; ".join(str(i) for i in issues))
 
 
+_FIELD = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
 def _loc(loc: tuple[Any, ...]) -> str:
     out = ""
     for part in loc:
         if isinstance(part, int):
             out += f"[{part}]"
+        elif out and not _FIELD.fullmatch(str(part)):
+            out += f"[{str(part)!r}]"  # a map key (nodeSelector, labels): quoted, so the line stays one line
         else:
             out += ("." if out else "") + str(part)
     return out
@@ -172,8 +178,18 @@ def worker_resources(spec: FinetuneJobSpec, table: Table | None = None) -> tuple
     return cpu, mem, huge, shm
 
 
-def local_only_warnings(spec: FinetuneJobSpec) -> list[Issue]:
+def env_warnings(spec: FinetuneJobSpec) -> list[Issue]:
+    """Overrides of variables the operator sets that are allowed, but change what it set (docs/api.md)."""
     out = []
+    for i, e in enumerate(spec.cluster.env):
+        message = env_policy.warning(e.name, spec.network.efa)
+        if message is not None:
+            out.append(Issue(f"spec.cluster.env[{i}].name", message, severity="warning"))
+    return out
+
+
+def local_only_warnings(spec: FinetuneJobSpec) -> list[Issue]:
+    out = env_warnings(spec)
     for path, value in (
         ("spec.model.source", spec.model.source),
         ("spec.dataset.source", spec.dataset.source),

@@ -113,7 +113,8 @@ def evaluate(f: Facts) -> list[Check]:
         add(Check("fail", "hugepages-2Mi allocatable", f"under 5120Mi on {names(low)}",
                   "sysctl vm.nr_hugepages=2560 before the kubelet starts (deploy/eks/cluster.yaml preBootstrapCommands)")
             if low else Check("ok", "hugepages-2Mi allocatable", f">= 5120Mi on all {len(typed)} {itype} node(s)"))
-        tolerations = WORKER_TOLERATIONS + list(f.job.cluster.tolerations if f.job else [])
+        user_tolerations = [t.wire() for t in f.job.cluster.tolerations] if f.job else []
+        tolerations = WORKER_TOLERATIONS + user_tolerations
         blocked = {n["metadata"]["name"]: b for n in typed if (b := _blocking(n, tolerations))}
         if blocked:
             detail = "; ".join(f"{n}: {', '.join(b)}" for n, b in sorted(blocked.items()))
@@ -125,7 +126,7 @@ def evaluate(f: Facts) -> list[Check]:
         add(Check("ok", "one zone for EFA", f"all in {zones.pop()}") if len(zones) == 1 else
             Check("warn", "one zone for EFA", f"{itype} nodes span zones {', '.join(sorted(zones))}; EFA does not cross zones",
                   "keep the GPU node group in one availability zone (deploy/eks/cluster.yaml)"))
-    heads = [n for n in f.nodes if not _blocking(n, list(f.job.cluster.tolerations if f.job else []))
+    heads = [n for n in f.nodes if not _blocking(n, [t.wire() for t in f.job.cluster.tolerations] if f.job else [])
              and not n.get("spec", {}).get("unschedulable")]
     add(Check("ok", "node for the Ray head", f"{len(heads)} untainted node(s)") if heads else
         Check("fail", "node for the Ray head", "every node has a taint the Ray head does not tolerate",

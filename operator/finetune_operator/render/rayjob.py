@@ -158,6 +158,16 @@ def _pvc_claims(spec: s.FinetuneJobSpec) -> list[str]:
     return sorted({p.claim for p in (parse_pvc(u) for u in uris) if p})
 
 
+def pvc_volume_name(claim: str) -> str:
+    """A volume name is a DNS-1123 label; a claim is a DNS-1123 subdomain (dots, up to 253 characters).
+    Claims that are labels keep their readable name; others get a digest, so two never share a name."""
+    vol = f"pvc-{claim}"
+    if len(vol) <= 63 and "." not in vol:
+        return vol
+    digest = hashlib.sha256(claim.encode()).hexdigest()[:10]
+    return f"pvc-{claim.replace('.', '-')[:48].rstrip('-')}-{digest}"
+
+
 def _volumes(job: s.FinetuneJob, runtime_files: Mapping[str, str], cfg: RenderConfig,
              head: bool) -> tuple[list[Obj], list[Obj]]:
     volumes: list[Obj] = [
@@ -179,7 +189,7 @@ def _volumes(job: s.FinetuneJob, runtime_files: Mapping[str, str], cfg: RenderCo
             {"path": CONFIG_KEY, "fieldRef": {"fieldPath": f"metadata.annotations['{CONFIG_ANNOTATION}']"}}]}})
         mounts.append({"name": "finetune-config", "mountPath": CONFIG_MOUNT, "readOnly": True})
     for claim in _pvc_claims(job.spec):
-        vol = f"pvc-{claim}"[:63].rstrip("-.")
+        vol = pvc_volume_name(claim)
         volumes.append({"name": vol, "persistentVolumeClaim": {"claimName": claim}})
         mounts.append({"name": vol, "mountPath": f"{PVC_MOUNT_ROOT}/{claim}"})
     if cfg.progress_url:
@@ -314,7 +324,7 @@ def _head(job: s.FinetuneJob, runtime_files: Mapping[str, str], cfg: RenderConfi
     if spec.cluster.head.node_selector:
         pod["nodeSelector"] = dict(sorted(spec.cluster.head.node_selector.items()))
     if spec.cluster.tolerations:
-        pod["tolerations"] = list(spec.cluster.tolerations)
+        pod["tolerations"] = [t.wire() for t in spec.cluster.tolerations]
     return {
         "rayStartParams": {"dashboard-host": "0.0.0.0", "num-gpus": "0"},
         "template": {"metadata": _pod_meta(job, "ray-head", runtime_files, head=True), "spec": pod},
@@ -360,7 +370,7 @@ def _worker(job: s.FinetuneJob, runtime_files: Mapping[str, str], cfg: RenderCon
         tolerations.append({"key": GPU, "operator": "Exists", "effect": "NoSchedule"})
     if spec.network.efa:
         tolerations.append({"key": EFA, "operator": "Exists", "effect": "NoSchedule"})
-    tolerations += list(spec.cluster.tolerations)
+    tolerations += [t.wire() for t in spec.cluster.tolerations]
     pod: Obj = {
         **_pod_common(spec),
         "containers": [container],
@@ -397,7 +407,7 @@ def _submitter(job: s.FinetuneJob, cfg: RenderConfig) -> Obj:
     if spec.cluster.head.node_selector:
         pod["nodeSelector"] = dict(sorted(spec.cluster.head.node_selector.items()))
     if spec.cluster.tolerations:
-        pod["tolerations"] = list(spec.cluster.tolerations)
+        pod["tolerations"] = [t.wire() for t in spec.cluster.tolerations]
     return {"metadata": {"labels": labels(job, "submitter")}, "spec": pod}
 
 
