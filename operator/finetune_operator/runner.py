@@ -23,6 +23,7 @@ from typing import Any
 from .api import failpoints
 
 log = logging.getLogger("finetune.operator")
+RELIST_POLL_SECONDS = 5.0  # how often the runner asks the cache whether a relist is due
 
 
 def register(sub: Any) -> None:
@@ -38,6 +39,9 @@ def register(sub: Any) -> None:
     p.add_argument("--progress-ca", help="CA certificate (PEM file) the pods trust for an https --progress-url")
     p.add_argument("--flush-interval", type=float, default=5.0, help="seconds between progress status writes per job")
     p.add_argument("--resync-interval", type=float, default=120.0, help="seconds between full re-reconciles")
+    p.add_argument("--relist-interval", type=float, default=600.0,
+                   help="seconds between relists of the watch cache (deletions a watch missed); 0: only after a "
+                        "watch relisted")
     p.add_argument("--workers", type=int, default=4, help="concurrent reconciles")
     p.add_argument("--leader-elect", action=argparse.BooleanOptionalAction, default=True, help="take a Lease before acting")
     p.add_argument("--lease-namespace", default=os.environ.get("POD_NAMESPACE", "default"))
@@ -82,7 +86,7 @@ async def run(args: argparse.Namespace) -> int:
 
     from .controller.cache import Cache
     from .controller.clusterconfig import ClusterConfig
-    from .controller.handlers import build_registry, settings_for_embedding
+    from .controller.handlers import build_registry, evicted, settings_for_embedding
     from .controller.k8s import FTJ, PODS, Kube, load_config
     from .controller.leader import LeaderElector, label_own_pod
     from .controller.metrics import Metrics
@@ -102,8 +106,9 @@ async def run(args: argparse.Namespace) -> int:
     render_cfg = RenderConfig(progress_url=args.progress_url, progress_ca=progress_ca)
     if args.submitter_image:
         render_cfg = dataclasses.replace(render_cfg, submitter_image=args.submitter_image)
-    cache = Cache(kube)
+    cache = Cache(kube, namespaces=args.namespace, relist_interval=args.relist_interval)
     kube.on_written = cache.written  # a reconcile that follows its own write reads what it wrote
+    kube.on_gone = cache.gone  # ... and one whose UID-guarded write found the object gone drops it
     metrics.watch_cache(cache.sizes)
     reconciler = Reconciler(kube, render_cfg, runtime_files(), metrics,
                             cluster_config=ClusterConfig(kube, args.config_namespace, ttl=args.config_ttl), cache=cache)
@@ -190,6 +195,21 @@ async def run(args: argparse.Namespace) -> int:
                 if phase not in TERMINAL:  # finished jobs change only through events (delete, edit)
                     queue.add(ns, name)
 
+    on_evicted = evicted(queue, reconciler, progress)
+
+    async def relist() -> None:
+        # The watch cache's relists (controller/cache.py): after a watch relisted, and periodically.
+        while True:
+            await asyncio.sleep(RELIST_POLL_SECONDS)
+            for gvr in cache.relists_due():
+                try:
+                    gone = await asyncio.to_thread(cache.relist, gvr)
+                except Exception as err:  # tried again at the next look
+                    log.warning("could not relist %s: %s", gvr[2], err)
+                    continue
+                for obj in gone:
+                    on_evicted(gvr, obj)
+
     kopf_stop = asyncio.Event()
     tasks: list[asyncio.Task[Any]] = [
         asyncio.create_task(
@@ -207,6 +227,7 @@ async def run(args: argparse.Namespace) -> int:
         ),
         asyncio.create_task(progress.flush_forever(), name="flush"),
         asyncio.create_task(resync(), name="resync"),
+        asyncio.create_task(relist(), name="relist"),
     ]
     # Not among `tasks`: it ends after one look, which must not end the operator.
     collector = asyncio.create_task(collect_runtimes_after_start(), name="collect-runtimes")
