@@ -42,6 +42,9 @@ def register(sub: Any) -> None:
     p.add_argument("--relist-interval", type=float, default=600.0,
                    help="seconds between relists of the watch cache (deletions a watch missed); 0: only after a "
                         "watch relisted")
+    p.add_argument("--kuberay-timeout", type=float, default=300.0,
+                   help="seconds a RayJob may wait for KubeRay's first status, or for it to act on a suspend/resume, "
+                        "before its job says KubeRayReconciling=False")
     p.add_argument("--workers", type=int, default=4, help="concurrent reconciles")
     p.add_argument("--leader-elect", action=argparse.BooleanOptionalAction, default=True, help="take a Lease before acting")
     p.add_argument("--lease-namespace", default=os.environ.get("POD_NAMESPACE", "default"))
@@ -84,6 +87,7 @@ async def run(args: argparse.Namespace) -> int:
     import kopf
     from aiohttp import web
 
+    from .controller import kuberay_version
     from .controller.cache import Cache
     from .controller.clusterconfig import ClusterConfig
     from .controller.handlers import build_registry, evicted, settings_for_embedding
@@ -112,6 +116,7 @@ async def run(args: argparse.Namespace) -> int:
     metrics.watch_cache(cache.sizes)
     reconciler = Reconciler(kube, render_cfg, runtime_files(), metrics,
                             cluster_config=ClusterConfig(kube, args.config_namespace, ttl=args.config_ttl), cache=cache)
+    reconciler.kuberay_timeout = args.kuberay_timeout
     queue = WorkQueue(reconciler.reconcile, workers=args.workers)
     reconciler.requeue_after = queue.add_after
     progress = ProgressServer(kube, metrics, on_flushed=queue.add, flush_interval=args.flush_interval,
@@ -188,9 +193,23 @@ async def run(args: argparse.Namespace) -> int:
         for ns in sorted(found):
             queue.add(ns, RUNTIMES_KEY)
 
+    async def check_kuberay() -> bool:
+        # KubeRay's version, from its RayJob CRD (controller/kuberay_version.py): at start, and at every resync
+        # until it passes (an upgrade of KubeRay clears the jobs' condition without a restart).
+        ok, message = await asyncio.to_thread(kuberay_version.check, kube)
+        metrics.kuberay_compatible.set(-1 if ok is None else int(ok))
+        reconciler.kuberay_incompatible = message if ok is False else None
+        (log.info if ok else log.error)("%s", message)
+        return bool(ok)
+
+    kuberay_ok = await check_kuberay()
+
     async def resync() -> None:
+        nonlocal kuberay_ok
         while True:
             await asyncio.sleep(args.resync_interval)
+            if not kuberay_ok:
+                kuberay_ok = await check_kuberay()
             for (ns, name), phase in list(reconciler.phases.items()):
                 if phase not in TERMINAL:  # finished jobs change only through events (delete, edit)
                     queue.add(ns, name)
