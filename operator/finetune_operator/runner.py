@@ -126,6 +126,17 @@ async def run(args: argparse.Namespace) -> int:
                               get_pod=lambda ns, name: cache.get(PODS, ns, name))
     metrics.queue_depth.set_function(queue.depth)
 
+    async def check_kuberay() -> bool:
+        # KubeRay's version, from its RayJob CRD (controller/kuberay_version.py): at start, and at every resync
+        # until it passes (an upgrade of KubeRay clears the jobs' condition without a restart).
+        ok, message = await asyncio.to_thread(kuberay_version.check, kube)
+        metrics.kuberay_compatible.set(-1 if ok is None else int(ok))
+        reconciler.kuberay_incompatible = message if ok is False else None
+        (log.info if ok else log.error)("%s", message)
+        return bool(ok)
+
+    kuberay_ok = await check_kuberay()
+
     ssl_ctx = None
     reloader = None
     if args.tls_cert:
@@ -192,17 +203,6 @@ async def run(args: argparse.Namespace) -> int:
             return
         for ns in sorted(found):
             queue.add(ns, RUNTIMES_KEY)
-
-    async def check_kuberay() -> bool:
-        # KubeRay's version, from its RayJob CRD (controller/kuberay_version.py): at start, and at every resync
-        # until it passes (an upgrade of KubeRay clears the jobs' condition without a restart).
-        ok, message = await asyncio.to_thread(kuberay_version.check, kube)
-        metrics.kuberay_compatible.set(-1 if ok is None else int(ok))
-        reconciler.kuberay_incompatible = message if ok is False else None
-        (log.info if ok else log.error)("%s", message)
-        return bool(ok)
-
-    kuberay_ok = await check_kuberay()
 
     async def resync() -> None:
         nonlocal kuberay_ok
