@@ -23,6 +23,7 @@ from typing import Any
 from .api import failpoints
 
 log = logging.getLogger("finetune.operator")
+RELIST_POLL_SECONDS = 5.0  # how often the runner asks the cache whether a relist is due
 
 
 def register(sub: Any) -> None:
@@ -38,6 +39,12 @@ def register(sub: Any) -> None:
     p.add_argument("--progress-ca", help="CA certificate (PEM file) the pods trust for an https --progress-url")
     p.add_argument("--flush-interval", type=float, default=5.0, help="seconds between progress status writes per job")
     p.add_argument("--resync-interval", type=float, default=120.0, help="seconds between full re-reconciles")
+    p.add_argument("--relist-interval", type=float, default=600.0,
+                   help="seconds between relists of the watch cache (deletions a watch missed); 0: only after a "
+                        "watch relisted")
+    p.add_argument("--kuberay-timeout", type=float, default=300.0,
+                   help="seconds a RayJob may wait for KubeRay's first status, or for it to act on a suspend/resume, "
+                        "before its job says KubeRayReconciling=False")
     p.add_argument("--workers", type=int, default=4, help="concurrent reconciles")
     p.add_argument("--leader-elect", action=argparse.BooleanOptionalAction, default=True, help="take a Lease before acting")
     p.add_argument("--lease-namespace", default=os.environ.get("POD_NAMESPACE", "default"))
@@ -80,9 +87,10 @@ async def run(args: argparse.Namespace) -> int:
     import kopf
     from aiohttp import web
 
+    from .controller import kuberay_version
     from .controller.cache import Cache
     from .controller.clusterconfig import ClusterConfig
-    from .controller.handlers import build_registry, settings_for_embedding
+    from .controller.handlers import build_registry, evicted, settings_for_embedding
     from .controller.k8s import FTJ, PODS, Kube, load_config
     from .controller.leader import LeaderElector, label_own_pod
     from .controller.metrics import Metrics
@@ -102,11 +110,13 @@ async def run(args: argparse.Namespace) -> int:
     render_cfg = RenderConfig(progress_url=args.progress_url, progress_ca=progress_ca)
     if args.submitter_image:
         render_cfg = dataclasses.replace(render_cfg, submitter_image=args.submitter_image)
-    cache = Cache(kube)
+    cache = Cache(kube, namespaces=args.namespace, relist_interval=args.relist_interval)
     kube.on_written = cache.written  # a reconcile that follows its own write reads what it wrote
+    kube.on_gone = cache.gone  # ... and one whose UID-guarded write found the object gone drops it
     metrics.watch_cache(cache.sizes)
     reconciler = Reconciler(kube, render_cfg, runtime_files(), metrics,
                             cluster_config=ClusterConfig(kube, args.config_namespace, ttl=args.config_ttl), cache=cache)
+    reconciler.kuberay_timeout = args.kuberay_timeout
     queue = WorkQueue(reconciler.reconcile, workers=args.workers)
     reconciler.requeue_after = queue.add_after
     progress = ProgressServer(kube, metrics, on_flushed=queue.add, flush_interval=args.flush_interval,
@@ -115,6 +125,17 @@ async def run(args: argparse.Namespace) -> int:
                               current_version=lambda ns, name: cache.version(FTJ, ns, name),
                               get_pod=lambda ns, name: cache.get(PODS, ns, name))
     metrics.queue_depth.set_function(queue.depth)
+
+    async def check_kuberay() -> bool:
+        # KubeRay's version, from its RayJob CRD (controller/kuberay_version.py): at start, and at every resync
+        # until it passes (an upgrade of KubeRay clears the jobs' condition without a restart).
+        ok, message = await asyncio.to_thread(kuberay_version.check, kube)
+        metrics.kuberay_compatible.set(-1 if ok is None else int(ok))
+        reconciler.kuberay_incompatible = message if ok is False else None
+        (log.info if ok else log.error)("%s", message)
+        return bool(ok)
+
+    kuberay_ok = await check_kuberay()
 
     ssl_ctx = None
     reloader = None
@@ -184,11 +205,29 @@ async def run(args: argparse.Namespace) -> int:
             queue.add(ns, RUNTIMES_KEY)
 
     async def resync() -> None:
+        nonlocal kuberay_ok
         while True:
             await asyncio.sleep(args.resync_interval)
+            if not kuberay_ok:
+                kuberay_ok = await check_kuberay()
             for (ns, name), phase in list(reconciler.phases.items()):
                 if phase not in TERMINAL:  # finished jobs change only through events (delete, edit)
                     queue.add(ns, name)
+
+    on_evicted = evicted(queue, reconciler, progress)
+
+    async def relist() -> None:
+        # The watch cache's relists (controller/cache.py): after a watch relisted, and periodically.
+        while True:
+            await asyncio.sleep(RELIST_POLL_SECONDS)
+            for gvr in cache.relists_due():
+                try:
+                    gone = await asyncio.to_thread(cache.relist, gvr)
+                except Exception as err:  # tried again at the next look
+                    log.warning("could not relist %s: %s", gvr[2], err)
+                    continue
+                for obj in gone:
+                    on_evicted(gvr, obj)
 
     kopf_stop = asyncio.Event()
     tasks: list[asyncio.Task[Any]] = [
@@ -207,6 +246,7 @@ async def run(args: argparse.Namespace) -> int:
         ),
         asyncio.create_task(progress.flush_forever(), name="flush"),
         asyncio.create_task(resync(), name="resync"),
+        asyncio.create_task(relist(), name="relist"),
     ]
     # Not among `tasks`: it ends after one look, which must not end the operator.
     collector = asyncio.create_task(collect_runtimes_after_start(), name="collect-runtimes")

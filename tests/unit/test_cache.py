@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 from finetune_operator.controller.cache import Cache, Store
 from finetune_operator.controller.k8s import FTJ, NODES, PODS, RAYCLUSTER, RAYJOB
 
@@ -131,3 +132,95 @@ def test_what_is_only_observed_is_looked_up_without_a_live_get() -> None:
     cache.observe(RAYCLUSTER, obj("RayCluster", "rc-1", 3))
     assert cache.lookup(RAYCLUSTER, "ns", "rc-1") is not None
     assert live.calls == ["list rayclusters finetune.dev/job"]
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _kopf_event(type_: str | None, body: Obj) -> dict[str, Any]:
+    return {"event": {"type": type_, "object": body}}
+
+
+def test_a_watch_relist_after_410_evicts_the_deletions_it_never_announced() -> None:
+    # kopf, after a 410 Gone, lists again and hands on each listed object as an event of type None: a job
+    # deleted meanwhile is just not among them. The cache relists too, and drops it.
+    from finetune_operator.controller.handlers import _fed
+
+    live, clock = LiveReads(), Clock()
+    cache = Cache(live, clock=clock)  # type: ignore[arg-type]
+    for name in ("a", "b"):
+        _fed(cache, FTJ, _kopf_event("ADDED", obj("FinetuneJob", name, 3, labels={})))
+    assert cache.relists_due() == []
+    clock.now = 100.0
+    live.objects[("finetunejobs", "ns", "a")] = obj("FinetuneJob", "a", 3, labels={})  # b was deleted unseen
+    live.list_rv = "9"
+    _fed(cache, FTJ, _kopf_event(None, obj("FinetuneJob", "a", 3, labels={})))
+    assert cache.stores[FTJ].get("ns", "b") is not None  # the listing alone cannot tell it is gone
+    assert cache.relists_due() == [FTJ]
+    gone = cache.relist(FTJ)
+    assert [o["metadata"]["name"] for o in gone] == ["b"]
+    assert cache.stores[FTJ].get("ns", "b") is None and cache.stores[FTJ].get("ns", "a") is not None
+    assert live.calls == ["list finetunejobs None"] and cache.relists_due() == []
+    cache.written(obj("FinetuneJob", "b", 8, labels={}))  # a write's answer from before the relist
+    assert cache.stores[FTJ].get("ns", "b") is None  # does not bring it back (tombstone at the list's version)
+
+
+def test_one_listing_asks_one_relist_and_an_empty_store_none() -> None:
+    from finetune_operator.controller.handlers import _fed
+
+    live, clock = LiveReads(), Clock()
+    cache = Cache(live, relist_interval=0, clock=clock)  # type: ignore[arg-type]
+    _fed(cache, PODS, _kopf_event(None, obj("Pod", "p1", 1)))  # the first listing after start: nothing held
+    _fed(cache, PODS, _kopf_event(None, obj("Pod", "p2", 1)))
+    assert cache.relists_due() == []
+    clock.now = 400.0  # a later listing (410): its first event asks once, the rest of the burst does not
+    _fed(cache, PODS, _kopf_event(None, obj("Pod", "p1", 2)))
+    assert cache.relists_due() == [PODS]
+    cache.relist(PODS)
+    _fed(cache, PODS, _kopf_event(None, obj("Pod", "p2", 2)))
+    assert cache.relists_due() == [] and live.calls == ["list pods finetune.dev/job"]
+
+
+def test_stores_are_relisted_periodically_in_the_watched_namespaces() -> None:
+    live, clock = LiveReads(), Clock()
+    cache = Cache(live, namespaces=["ns", "other"], relist_interval=600, clock=clock)  # type: ignore[arg-type]
+    cache.observe(RAYJOB, obj("RayJob", "ghost", 4))
+    cache.observe(NODES, obj("Node", "gpu-1", 4, ns="", labels={"node.kubernetes.io/instance-type": "x"}))
+    clock.now = 599.0
+    assert cache.relists_due() == []
+    clock.now = 600.0
+    assert set(cache.relists_due()) == set(cache.stores)
+    assert [o["metadata"]["name"] for o in cache.relist(RAYJOB)] == ["ghost"]
+    assert [o["metadata"]["name"] for o in cache.relist(NODES)] == ["gpu-1"]
+    # One LIST per watched namespace (what the operator's RBAC allows), nodes cluster-wide.
+    assert live.calls == ["list rayjobs finetune.dev/job", "list rayjobs finetune.dev/job",
+                          "list nodes node.kubernetes.io/instance-type"]
+    assert RAYJOB not in cache.relists_due() and cache.evicted == 2
+
+
+def test_a_uid_guarded_write_answered_404_evicts_the_object() -> None:
+    import json
+
+    from finetune_operator.controller.k8s import ApiError, Kube
+    from kubernetes import client
+
+    class GoneKube(Kube):
+        def request(self, method: str, path: str, **kw: Any) -> Obj:
+            raise ApiError(404, json.dumps({"kind": "Status", "reason": "NotFound",
+                                            "details": {"name": "a", "kind": "finetunejobs"}}), f"{method} {path}")
+
+    kube = GoneKube(client.ApiClient())
+    cache = Cache(kube)
+    kube.on_gone = cache.gone
+    cache.observe(FTJ, obj("FinetuneJob", "a", 5, labels={}))
+    with pytest.raises(ApiError) as err:
+        kube.patch_status("ns", "a", {"phase": "Running"}, uid="uid-a")
+    assert err.value.status == 404
+    assert cache.stores[FTJ].get("ns", "a") is None and cache.evicted == 1
+    cache.observe(FTJ, obj("FinetuneJob", "a", 4, labels={}))  # a late event of the old object
+    assert cache.stores[FTJ].get("ns", "a") is None

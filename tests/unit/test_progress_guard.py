@@ -120,6 +120,33 @@ def test_fresh_forged_tokens_are_rate_limited_per_client() -> None:
     assert kube.reviews == 4
 
 
+def test_a_flood_from_many_sources_leaves_a_quiet_source_its_reviews() -> None:
+    # Eight sources flood with fresh forged tokens (each within, then over, its own budget: together far
+    # over the overall one); a genuine pod's token, reviewed once and re-verified when its verdict
+    # expires, must still be reviewed, not answered 429.
+    kube, clock = StubKube(), Clock()
+    server = ProgressServer(kube, Metrics(), monotonic=clock,  # type: ignore[arg-type]
+                            limits=Limits(reviews_per_second=10, reviews_burst=20, client_reviews_per_second=2,
+                                          client_reviews_burst=5, quiet_seconds=10))
+    floods = [f"10.1.0.{i}" for i in range(8)]
+
+    def flood(n: int) -> list[int]:
+        return [server.authorize(_jwt({"aud": ["finetune.dev/progress/ns/a"], "exp": 10**12, "n": f"{src}-{n}-{i}"}),
+                                 "ns", "a", src).code for src in floods for i in range(10)]
+
+    genuine = [server.authorize(_jwt({"aud": ["finetune.dev/progress/ns/b"], "exp": 10**12, "n": "pod"}), "ns", "b",
+                                "10.2.0.7").code]
+    for second in range(1, 61):
+        clock.now = float(second)
+        codes = flood(second)
+        assert codes.count(429) >= 60  # every flooding source is held to its own budget (and the overall one)
+        if second % 15 == 0:  # the pod's re-verification (a new token, as after its verdict expired)
+            genuine.append(server.authorize(_jwt({"aud": ["finetune.dev/progress/ns/b"], "exp": 10**12,
+                                                  "n": f"pod-{second}"}), "ns", "b", "10.2.0.7").code)
+    assert genuine == [401] * 5  # reviewed every time (StubKube rejects every token): never 429
+    assert kube.reviews <= 20 + 60 * 10  # the overall cap holds: burst + rate x seconds
+
+
 def test_reconcile_after_a_flush_only_when_the_network_changed() -> None:
     from finetune_operator.api.status import ProgressReport
 

@@ -542,3 +542,59 @@ def test_the_reconciler_reads_the_events_of_stuck_pods_only_and_looks_again_when
     assert looks == [121.0]  # one look, when w-1 would be stuck (60 s in: 180 - 60 + 1)
     rec._stuck_pod_events("ns", "j", pods)
     assert looks == [121.0]  # already scheduled: no second timer
+
+
+OWES = [
+    # (id, RayJob spec.suspend, jobDeploymentStatus, what KubeRay owes it, or None)
+    ("no-status", False, "", "no status yet"),
+    ("initializing", False, "Initializing", None),
+    ("running", False, "Running", None),
+    ("suspend-not-acted-on", True, "Running", "spec.suspend: true"),
+    ("suspending", True, "Suspending", None),
+    ("suspended", True, "Suspended", None),
+    ("resume-not-acted-on", False, "Suspended", "spec.suspend: false"),
+    ("complete-suspended-later", True, "Complete", None),
+]
+
+
+@pytest.mark.parametrize(("suspend", "deploy", "owed"), [o[1:] for o in OWES], ids=[o[0] for o in OWES])
+def test_what_kuberay_owes_a_rayjob(suspend: bool, deploy: str, owed: str | None) -> None:
+    from finetune_operator.controller.status import kuberay_owes
+
+    rj = {**rayjob(deploy), "spec": {"suspend": suspend}}
+    got = kuberay_owes(rj)
+    assert (got is None) if owed is None else (got is not None and owed in got), got
+
+
+def test_kuberay_not_reconciling_is_reported_after_the_timeout_and_cleared_once_it_acts() -> None:
+    """A stopped KubeRay left jobs Provisioning with no signal: its RayJob never got a status."""
+    from finetune_operator.controller.reconcile import Reconciler
+    from finetune_operator.render.config import RenderConfig
+
+    looks: list[float] = []
+    clock = [NOW]
+    rec = Reconciler(None, RenderConfig(), {}, clock=lambda: clock[0],  # type: ignore[arg-type]
+                     requeue_after=lambda ns, name, delay: looks.append(delay))
+    rec.kuberay_timeout = 120
+    fresh = {"metadata": {"name": "j", "namespace": "ns", "uid": "u1", "generation": 1}, "spec": {"suspend": False}}
+    assert rec._kuberay_trouble("ns", "j", fresh, NOW) is None
+    assert looks == [121.0]  # a look when it would be overdue
+    clock[0] = "2026-12-02T10:02:00Z"
+    trouble = rec._kuberay_trouble("ns", "j", fresh, clock[0])
+    assert trouble is not None and trouble[0] == "KubeRayNotReconciling"
+    assert "KubeRay has given it no status yet on RayJob ns/j for 120 s" in trouble[1] and "kuberay-operator" in trouble[1]
+    st = derive(Observed(rayjob=fresh, kuberay=trouble), now=clock[0])
+    c = cond(st, "KubeRayReconciling")
+    assert (c["status"], c["reason"], st["phase"]) == ("False", "KubeRayNotReconciling", "Provisioning")
+    # KubeRay is back: the RayJob has a status, the condition goes.
+    acted = {**fresh, "status": {"jobDeploymentStatus": "Initializing"}}
+    assert rec._kuberay_trouble("ns", "j", acted, clock[0]) is None
+    assert not any(c["type"] == "KubeRayReconciling" for c in derive(Observed(rayjob=acted), prev=st)["conditions"])
+    # A spec change it does not act on counts from when it was seen.
+    suspended = {**acted, "metadata": {**fresh["metadata"], "generation": 2}, "spec": {"suspend": True}}
+    assert rec._kuberay_trouble("ns", "j", suspended, clock[0]) is None
+    trouble = rec._kuberay_trouble("ns", "j", suspended, "2026-12-02T10:04:00Z")
+    assert trouble is not None and "has not acted on spec.suspend: true" in trouble[1]
+    # A CRD too old for the render is said on every job, whatever its RayJob shows.
+    rec.kuberay_incompatible = "the installed KubeRay is older than v1.5.0"
+    assert rec._kuberay_trouble("ns", "j", acted, clock[0]) == ("KubeRayTooOld", "the installed KubeRay is older than v1.5.0")

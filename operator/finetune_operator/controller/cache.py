@@ -15,6 +15,12 @@ How it stays right:
   with a live GET (a recorded RayJob is never called lost on the cache's word), and the first list of a
   resource in a namespace after start is a live LIST (with the watch's selector) that primes it; later
   lists, and by-name reads of what the reconciler only observes (RayClusters), come from here.
+- Deletions the watch never announces are caught by relisting. After a watch's resourceVersion expired
+  (410 Gone) kopf lists the resource again and hands on every listed object as an event of type None:
+  an object deleted meanwhile simply is not among them, and no DELETED event ever comes for it. So each
+  store is relisted (a live LIST with the watch's selector, whose contents replace the store's for that
+  scope) when a watch relists (`listed`), and every `relist_interval` seconds anyway; and an object a
+  UID-guarded write found gone (404) is evicted at once (`gone`).
 - Objects are kept slim: only what the reconciler reads (no managedFields, no pod specs, no Ray cluster
   spec), so a thousand jobs cost megabytes, not hundreds of them.
 """
@@ -35,6 +41,8 @@ Obj = dict[str, Any]
 Gvr = tuple[str, str, str]
 log = logging.getLogger("finetune.cache")
 TOMBSTONE_SECONDS = 600.0
+# Events of type None closer together than this belong to one listing (kopf hands them on one by one).
+LISTING_GAP_SECONDS = 5.0
 
 _META_DROP = ("managedFields",)
 
@@ -184,22 +192,34 @@ class Store:
             objs = list(self._objects.items())
         return [copy.deepcopy(o) for (ns, _), o in objs if (namespace is None or ns == namespace) and matches(o, terms)]
 
-    def replace(self, namespace: str | None, selector: str | None, items: list[Obj], list_rv: str = "") -> None:
+    def replace(self, namespace: str | None, selector: str | None, items: list[Obj], list_rv: str = "") -> list[Obj]:
         """A live LIST of (namespace, selector) taken at resourceVersion `list_rv`: what it lacks is gone
-        unless a watch event newer than the list brought it, what it has is current unless newer."""
+        unless a watch event newer than the list brought it, what it has is current unless newer.
+        Returns the objects it removed (each leaves a tombstone at the list's version)."""
         terms = parse_selector(selector)
         try:
             at = int(list_rv)
         except ValueError:
             at = 0
         listed = {self.key(o) for o in items}
+        removed: list[Obj] = []
         with self._lock:
             for key in [k for k, o in self._objects.items()
                         if k not in listed and (namespace is None or k[0] == namespace) and matches(o, terms)
                         and (not at or _rv(o) <= at)]:
-                del self._objects[key]
+                removed.append(self._objects.pop(key))
+                self._tombstones[key] = (at or _rv(removed[-1]), self.clock())
         for obj in items:
             self.upsert(obj)
+        return removed
+
+    def evict(self, namespace: str | None, name: str) -> Obj | None:
+        """The API server said the object is gone: drop it, leaving a tombstone at the version held."""
+        with self._lock:
+            obj = self._objects.pop((namespace or "", name), None)
+            if obj is not None:
+                self._tombstones[(namespace or "", name)] = (_rv(obj), self.clock())
+        return obj
 
     def __len__(self) -> int:
         with self._lock:
@@ -209,12 +229,22 @@ class Store:
 class Cache:
     """The stores of every resource the reconciler reads, and the read rules (see the module doc)."""
 
-    def __init__(self, kube: Kube):
+    def __init__(self, kube: Kube, namespaces: list[str] | None = None, relist_interval: float = 600.0,
+                 clock: Callable[[], float] = time.monotonic):
         self.kube = kube
         self.stores: dict[Gvr, Store] = {gvr: Store(gvr) for gvr in SLIM}
         self._primed: set[tuple[Gvr, str | None, str | None]] = set()
         self._lock = threading.Lock()
         self.live_reads = 0  # GETs and LISTs that went to the API server (misses and priming)
+        # What the watches cover (None: every namespace), so a relist lists what they deliver and no more.
+        self.namespaces = namespaces or None
+        self.relist_interval = relist_interval  # 0: only after a watch relisted
+        self.clock = clock
+        self._relisted: dict[Gvr, float] = {gvr: clock() for gvr in SLIM}
+        self._relist_wanted: set[Gvr] = set()
+        self._last_listed: dict[Gvr, float] = {}
+        self.relists = 0
+        self.evicted = 0
 
     # ------------------------------------------------------------------------------------- feeding
     def observe(self, gvr: Gvr, obj: Obj, deleted: bool = False) -> None:
@@ -232,6 +262,61 @@ class Cache:
         gvr = KINDS.get(str(obj.get("kind") or ""))
         if gvr is not None and (obj.get("metadata") or {}).get("resourceVersion"):
             self.stores[gvr].upsert(obj)
+
+    def gone(self, gvr: Gvr, namespace: str | None, name: str) -> None:
+        """A write guarded by the object's UID was answered 404: the object no longer exists."""
+        store = self.stores.get(gvr)
+        if store is not None and store.evict(namespace, name) is not None:
+            with self._lock:
+                self.evicted += 1
+            log.info("evicted %s %s/%s: a write found it gone", gvr[2], namespace, name)
+
+    def listed(self, gvr: Gvr) -> None:
+        """A watch event of type None: kopf is handing on a LIST of the resource, after (re)connecting. The
+        first such event of a burst asks for a relist, unless the store is empty (then no object can be
+        missing from the listing)."""
+        now = self.clock()
+        with self._lock:
+            last, self._last_listed[gvr] = self._last_listed.get(gvr), now
+            new_listing = last is None or now - last > LISTING_GAP_SECONDS
+        store = self.stores.get(gvr)
+        if new_listing and store is not None and len(store):
+            with self._lock:
+                self._relist_wanted.add(gvr)
+
+    def relists_due(self) -> list[Gvr]:
+        """The resources to relist now: after a watch relisted them, or `relist_interval` since the last."""
+        now = self.clock()
+        with self._lock:
+            return [gvr for gvr in self.stores if gvr in self._relist_wanted
+                    or self.relist_interval and now - self._relisted[gvr] >= self.relist_interval]
+
+    def relist(self, gvr: Gvr) -> list[Obj]:
+        """Replace the store's contents with a live LIST per watched scope (the watch's selector); returns
+        the objects it held that the API server no longer has (deletions the watch never announced)."""
+        store, selector = self.stores[gvr], WATCH_SELECTORS.get(gvr)
+        scopes: list[str | None] = [None] if gvr == NODES or self.namespaces is None else list(self.namespaces)
+        removed: list[Obj] = []
+        with self._lock:
+            self._relist_wanted.discard(gvr)  # a listing that starts during this LIST asks again
+        try:
+            for ns in scopes:
+                with self._lock:
+                    self.live_reads += 1
+                removed += store.replace(ns, selector, *self.kube.list_with_version(gvr, ns, selector))
+        except Exception:
+            with self._lock:
+                self._relist_wanted.add(gvr)  # tried again at the next look
+            raise
+        with self._lock:
+            self._relisted[gvr] = self.clock()
+            self.relists += 1
+            self.evicted += len(removed)
+        for obj in removed:
+            meta = obj.get("metadata") or {}
+            log.info("relist of %s: %s/%s is gone (its deletion was never watched)", gvr[2],
+                     meta.get("namespace"), meta.get("name"))
+        return removed
 
     # -------------------------------------------------------------------------------------- reading
     def get(self, gvr: Gvr, namespace: str | None, name: str) -> Obj | None:

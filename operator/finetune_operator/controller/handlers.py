@@ -14,7 +14,7 @@ import kopf
 
 from ..api import spec as s
 from ..render.rayjob import JOB_LABEL
-from .cache import WATCH_SELECTORS, Cache
+from .cache import WATCH_SELECTORS, Cache, Gvr
 from .k8s import FTJ, NODES, PODS, RAYCLUSTER, RAYJOB
 from .progress import ProgressServer
 from .reconcile import Reconciler
@@ -33,8 +33,23 @@ def _fed(cache: Cache | None, gvr: tuple[str, str, str], kw: dict[str, Any]) -> 
     event = kw["event"]
     deleted = bool(event.get("type") == "DELETED")
     if cache is not None:
+        if event.get("type") is None:  # a listing (kopf's first, or after a 410): the cache relists too
+            cache.listed(gvr)
         cache.observe(gvr, event.get("object") or {}, deleted=deleted)
     return deleted
+
+
+def evicted(queue: WorkQueue, reconciler: Reconciler, progress: ProgressServer) -> Callable[[Gvr, dict[str, Any]], None]:
+    """What a watched deletion would have done, for an object a relist of the cache found gone."""
+    def handle(gvr: Gvr, obj: dict[str, Any]) -> None:
+        meta = obj.get("metadata") or {}
+        namespace, name = str(meta.get("namespace") or ""), str(meta.get("name") or "")
+        if gvr == FTJ:
+            reconciler.forget(namespace, name)
+            progress.forget(namespace, name)
+        elif (job := (meta.get("labels") or {}).get(JOB_LABEL)) and gvr != NODES:
+            queue.add(namespace, job)  # its reconcile confirms the absence with a live read
+    return handle
 
 
 def build_registry(queue: WorkQueue, reconciler: Reconciler, progress: ProgressServer,

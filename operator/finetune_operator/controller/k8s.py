@@ -139,6 +139,8 @@ class Kube:
         self.may_write: Callable[[], bool] | None = None
         # Every write's answer (the object as stored) goes here: the read cache (cache.py) keeps it.
         self.on_written: Callable[[Obj], None] | None = None
+        # A UID-guarded write answered 404 (the object is gone): the read cache evicts it.
+        self.on_gone: Callable[[tuple[str, str, str], str, str], None] | None = None
 
     # ------------------------------------------------------------------------------------------ REST
     def request(
@@ -272,6 +274,8 @@ class Kube:
             return self._write("patch-status", s.KIND, "PATCH", _path(FTJ, namespace, name, "status"), body=ops,
                                content_type="application/json-patch+json")
         except ApiError as err:
+            if err.status == 404 and _object_not_found(err.body) and self.on_gone is not None:
+                self.on_gone(FTJ, namespace, name)
             # A failed `test` comes back as a bare 422 ("the server rejected our request ..."; no details),
             # like any other operation that does not apply: look whose object it is.
             if err.status == 422:

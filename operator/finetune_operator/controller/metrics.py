@@ -85,6 +85,9 @@ class Metrics:
                                [*labels, "phase"], registry=r)
         # Set by the runner: this replica holds the Lease; keys waiting in the work queue.
         self.leader = Gauge("finetune_operator_leader", "1 while this replica holds the leader Lease.", registry=r)
+        self.kuberay_compatible = Gauge(
+            "finetune_kuberay_compatible", "1: the RayJob CRD has every field the operator renders; 0: it does not "
+            "(KubeRay too old, or not installed); -1: it could not be read.", registry=r)
         self.queue_depth = Gauge("finetune_workqueue_depth", "Jobs waiting to be reconciled.", registry=r)
         self._per_job = [self.step, self.total_steps, self.loss, self.tokens, self.net_ok, self.eval_loss,
                          self.mfu, self.eta, self.bus_bw, self.last_report, self.stalled]

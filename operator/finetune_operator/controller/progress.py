@@ -175,7 +175,7 @@ class ProgressServer:
         # rejected ones make a repeated forged token free. See progress_guard.py.
         self._auth_cache: TTLCache[Verdict] = TTLCache(self.limits.max_cached)
         self._rejected: TTLCache[Verdict] = TTLCache(self.limits.max_cached)
-        self._limiter = ReviewLimiter(self.limits)
+        self._limiter = ReviewLimiter(self.limits, self._monotonic)
         self._auth_lock = threading.Lock()
         # TokenReviews run on their own few threads: a flood can never take the threads the leader
         # election and the flusher run on (asyncio's default executor).

@@ -7,9 +7,15 @@ the leader Lease. So:
   so a repeated forged token costs nothing after the first time;
 - tokens that cannot be service-account JWTs (not three segments, expired, no job audience) are
   rejected without asking the API server;
-- TokenReviews are rate-limited per client address and overall (token buckets); over the limit the
-  answer is 429 with Retry-After, and genuine pods, whose tokens are cached after their first report,
-  are not affected.
+- TokenReviews are rate-limited per client address (the source of the connection: behind a Service
+  that is the pod's IP) and overall (token buckets); over the limit the answer is 429 with Retry-After.
+  Genuine pods' tokens are cached after their first report, but each is reviewed again when its verdict
+  expires, and those re-verifications must not compete with a flood on equal terms: the last
+  `reserved_share` of the overall bucket goes only to a *quiet* source, one that has had no
+  TokenReview for `quiet_seconds`. A source that floods (many addresses at once, each within its own
+  budget, included) takes at most the overall budget above the reserve, and a quiet source's review
+  goes first as the bucket refills. (Only a flood from more addresses than the overall rate times
+  `quiet_seconds`, each asking once per `quiet_seconds`, could still take the reserve.)
 """
 
 from __future__ import annotations
@@ -63,11 +69,12 @@ class TokenBucket:
         self.tokens = burst
         self.updated = clock()
 
-    def take(self) -> bool:
+    def take(self, keep: float = 0.0) -> bool:
+        """One token, if more than `keep` would be left of the bucket (a reserve the caller guards)."""
         now = self.clock()
         self.tokens = min(self.burst, self.tokens + (now - self.updated) * self.rate)
         self.updated = now
-        if self.tokens >= 1:
+        if self.tokens >= 1 + keep:
             self.tokens -= 1
             return True
         return False
@@ -79,6 +86,10 @@ class Limits:
     reviews_burst: float = 100.0
     client_reviews_per_second: float = 5.0  # TokenReviews per client address
     client_reviews_burst: float = 20.0
+    # The last `reserved_share` of the overall burst goes only to a source that had no review for
+    # `quiet_seconds` (a genuine pod re-verifies once per token per `accepted_ttl`).
+    reserved_share: float = 0.2
+    quiet_seconds: float = 10.0
     max_clients: int = 4096
     accepted_ttl: float = 60.0
     rejected_ttl: float = 30.0
@@ -86,13 +97,16 @@ class Limits:
 
 
 class ReviewLimiter:
-    """Global and per-client token buckets for TokenReviews (bounded number of clients)."""
+    """Per-client token buckets for TokenReviews under an overall one whose last tokens are reserved for
+    quiet clients (see the module doc); a bounded number of clients."""
 
     def __init__(self, limits: Limits, clock: Callable[[], float] = time.monotonic):
         self.limits = limits
         self.clock = clock
         self.overall = TokenBucket(limits.reviews_per_second, limits.reviews_burst, clock)
         self.clients: OrderedDict[str, TokenBucket] = OrderedDict()
+        self.last_review: dict[str, float] = {}  # per client in `clients`: when its last review was allowed
+        self.reserve = limits.reserved_share * limits.reviews_burst
         self.refused = 0
 
     def allow(self, client: str) -> bool:
@@ -101,10 +115,15 @@ class ReviewLimiter:
             bucket = TokenBucket(self.limits.client_reviews_per_second, self.limits.client_reviews_burst, self.clock)
             self.clients[client] = bucket
             while len(self.clients) > self.limits.max_clients:
-                self.clients.popitem(last=False)
+                gone, _ = self.clients.popitem(last=False)
+                self.last_review.pop(gone, None)
         self.clients.move_to_end(client)
-        ok = bucket.take() and self.overall.take()
-        if not ok:
+        last = self.last_review.get(client)
+        quiet = last is None or self.clock() - last >= self.limits.quiet_seconds
+        ok = bucket.take() and self.overall.take(keep=0.0 if quiet else self.reserve)
+        if ok:
+            self.last_review[client] = self.clock()
+        else:
             self.refused += 1
         return ok
 

@@ -34,11 +34,14 @@ from .runtime_configmaps import RUNTIMES_KEY, Runtimes
 from .status import (
     BLOCKED,
     CREATING_STUCK_SECONDS,
+    KUBERAY_TIMEOUT_SECONDS,
     PROGRESS_FIELDS,
     RECONCILED,
     RUNNING,
     STALLED,
     Observed,
+    kuberay_overdue,
+    kuberay_owes,
     pods_of,
     seconds_until_stall,
     set_condition,
@@ -199,6 +202,12 @@ class Reconciler:
         self.watching_since: str | None = None
         self.held_report: Callable[[str, str], str | None] = lambda namespace, name: None
         self._creating_checks: dict[tuple[str, str], float] = {}  # when a pod in ContainerCreating is looked at
+        # KubeRay's part (status.kuberay_owes): what each job's RayJob is owed, since when this process saw
+        # it so; overdue after `kuberay_timeout` s. `kuberay_incompatible`: the runner's start-up check of the
+        # RayJob CRD (kuberay_version.py) found it lacking, said on every job.
+        self.kuberay_timeout = KUBERAY_TIMEOUT_SECONDS
+        self.kuberay_incompatible: str | None = None
+        self._kuberay_owed: dict[tuple[str, str], tuple[tuple[object, ...], str]] = {}
         self.uids: dict[tuple[str, str], str] = {}  # the FinetuneJob object last reconciled under each name
         # What the last reconcile of each job left it as (progress fields aside): a watch event of the job
         # that brings nothing else (a progress write) needs no reconcile of a running job. See progress_only.
@@ -227,6 +236,7 @@ class Reconciler:
         self.uids.pop((namespace, name), None)
         self._stall_checks.pop((namespace, name), None)
         self._creating_checks.pop((namespace, name), None)
+        self._kuberay_owed.pop((namespace, name), None)
         self.ray_clusters.pop((namespace, name), None)
         for uid in self._rayjob_uids.pop((namespace, name), set()):
             self.final_rayjob_status.pop(uid, None)
@@ -371,6 +381,7 @@ class Reconciler:
         policy = job.spec.stall_policy if job is not None else None
         observed.watching_since = self.watching_since
         observed.held_report = self.held_report(namespace, name)
+        observed.kuberay = self._kuberay_trouble(namespace, name, observed.rayjob, now)
         decision = decide(
             generation=meta.get("generation"),
             suspend=bool((body.get("spec") or {}).get("suspend")),
@@ -426,6 +437,24 @@ class Reconciler:
             if warnings:
                 out[pod_name] = (str(warnings[-1].get("reason") or ""), str(warnings[-1].get("message") or ""))
         return out
+
+    def _kuberay_trouble(self, namespace: str, name: str, rayjob: Obj | None, now: str) -> tuple[str, str] | None:
+        """Condition KubeRayReconciling's (reason, message), or None; a look when KubeRay would be overdue."""
+        if self.kuberay_incompatible:
+            return "KubeRayTooOld", self.kuberay_incompatible
+        owed = kuberay_owes(rayjob) if rayjob is not None else None
+        if owed is None or rayjob is None:
+            self._kuberay_owed.pop((namespace, name), None)
+            return None
+        meta = rayjob.get("metadata") or {}
+        mark = (meta.get("uid"), meta.get("generation"), owed)
+        seen = self._kuberay_owed.get((namespace, name))
+        if seen is None or seen[0] != mark:  # created, or its spec changed, since: counted from now
+            seen = self._kuberay_owed[(namespace, name)] = (mark, now)
+        left, trouble = kuberay_overdue(rayjob, owed, seen[1], now, self.kuberay_timeout)
+        if trouble is None:
+            self._look_again(namespace, name, left + 1.0)
+        return trouble
 
     def _look_again(self, namespace: str, name: str, delay: float) -> None:
         """A reconcile of the job in `delay` seconds, unless one is already due by then."""

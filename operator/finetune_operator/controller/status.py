@@ -34,7 +34,8 @@ COMPLETE = "Complete"
 FAILED = "Failed"
 NETWORK = "NetworkHealthy"
 STALLED = "Stalled"
-ORDER = [SPEC_VALID, INSTANCE_TYPE_KNOWN, RECONCILED, BLOCKED, CAPACITY, SCHEDULED, PODS_HEALTHY, RUNNING, STALLED, SUSPENDED, COMPLETE,
+KUBERAY = "KubeRayReconciling"
+ORDER = [SPEC_VALID, INSTANCE_TYPE_KNOWN, RECONCILED, BLOCKED, KUBERAY, CAPACITY, SCHEDULED, PODS_HEALTHY, RUNNING, STALLED, SUSPENDED, COMPLETE,
          FAILED, NETWORK]
 
 STALL_FLOOR_SECONDS = 900.0  # never call a job hung sooner than this without an explicit timeout
@@ -47,6 +48,9 @@ _CRASH = {"CrashLoopBackOff", "CreateContainerConfigError", "CreateContainerErro
 # a volume that cannot be mounted (FailedMount: a missing ConfigMap or Secret), a CNI or device plugin that
 # does not answer. Its pod's own words are in its Events (Observed.pod_events), not in its status.
 CREATING_STUCK_SECONDS = 180.0
+# KubeRay acts on a RayJob within seconds of a change (its first reconcile gives it a status); one left
+# without that this long is not being reconciled (the operator's --kuberay-timeout).
+KUBERAY_TIMEOUT_SECONDS = 300.0
 
 
 @dataclass
@@ -79,6 +83,10 @@ class Observed:
     # process accepted for the job but has not written yet (a status write refused by 429s, say).
     watching_since: str | None = None
     held_report: str | None = None
+    # (reason, message) when KubeRay cannot be doing its part: its RayJob CRD lacks fields the render uses
+    # (`KubeRayTooOld`), or it left the RayJob without the status change it owes for too long
+    # (`KubeRayNotReconciling`, see kuberay_overdue). Reported by condition KubeRayReconciling=False.
+    kuberay: tuple[str, str] | None = None
 
 
 # Carried over from the previous status untouched: progress (written by the progress flusher), the
@@ -330,9 +338,45 @@ class PodTrouble:
     replica_failure: tuple[str, str] | None = None  # KubeRay could not create the Ray pods
 
 
+def kuberay_owes(rayjob: Obj) -> str | None:
+    """What KubeRay owes the RayJob and does at its next reconcile of it (rayjob_controller.go v1.6.1), or
+    None. KubeRay sets no status.observedGeneration on RayJobs, so only these are sure signs: a status at
+    all (New -> Initializing at once), and the suspend flag acted on (Initializing/Running -> Suspending
+    when set, Suspended -> New when cleared)."""
+    if (rayjob.get("metadata") or {}).get("deletionTimestamp"):
+        return None
+    deploy = str((rayjob.get("status") or {}).get("jobDeploymentStatus") or "")
+    suspend = bool((rayjob.get("spec") or {}).get("suspend"))
+    if not deploy:
+        return "has given it no status yet"
+    if suspend and deploy in ("Initializing", "Running"):
+        return f"has not acted on spec.suspend: true (jobDeploymentStatus still {deploy})"
+    if not suspend and deploy == "Suspended":
+        return "has not acted on spec.suspend: false (jobDeploymentStatus still Suspended)"
+    return None
+
+
+def kuberay_overdue(rayjob: Obj, owed: str, since: str, now: str, timeout: float) -> tuple[float, tuple[str, str] | None]:
+    """(seconds left until KubeRay is overdue, the condition's (reason, message) once it is): `owed` (from
+    kuberay_owes) has been so since `since` (the RayJob's creation or spec change as this process saw it)."""
+    start, at = parse_time(since), parse_time(now)
+    waited = (at - start).total_seconds() if start and at else 0.0
+    if waited < timeout:
+        return timeout - waited, None
+    meta = rayjob.get("metadata") or {}
+    return 0.0, ("KubeRayNotReconciling",
+                 f"KubeRay {owed} on RayJob {meta.get('namespace')}/{meta.get('name')} for {int(waited)} s (since "
+                 f"{since}): check that the KubeRay operator is running and watches this namespace "
+                 "(kubectl get deploy -A -l app.kubernetes.io/name=kuberay-operator; its logs)")
+
+
 def report_observations(conds: Conditions, network: Obj, observed: Observed) -> PodTrouble:
     """The conditions that report what was observed and never decide a phase: NetworkHealthy,
-    CapacityAvailable, WorkersScheduled, PodsHealthy."""
+    CapacityAvailable, WorkersScheduled, PodsHealthy, KubeRayReconciling (only while False)."""
+    if observed.kuberay is not None:
+        conds.set(KUBERAY, False, *observed.kuberay)
+    else:
+        conds.drop(KUBERAY)
     if network.get("healthy") is not None:
         conds.set(NETWORK, bool(network["healthy"]), _network_reason(network),
                   network.get("message") or f"collectives over {network.get('transport')}")
