@@ -259,7 +259,10 @@ class Reconciler:
             # never names the current cluster; forgetting its own entry only makes the fence permissive.
             if cluster and self.ray_clusters.get(key) == cluster:
                 del self.ray_clusters[key]
-        elif cluster:
+        elif cluster and self.uids.get(key) and owned_by(rayjob, self.uids[key]):
+            # Only the job's own RayJob names its cluster: a RayJob someone else labelled with the job (a
+            # copy, a previous job's under the name) would fence off the real pods' reports. Before the job's
+            # first reconcile here its UID is unknown: that reconcile records the cluster (below).
             self.ray_clusters[key] = cluster
         if uid and st.get("jobDeploymentStatus") in ("Complete", "Failed", "ValidationFailed"):
             self.final_rayjob_status[uid] = dict(st)
@@ -353,6 +356,8 @@ class Reconciler:
 
         if observed.rayjob is not None:
             cluster_name = (observed.rayjob.get("status") or {}).get("rayClusterName")
+            if cluster_name and not observed.rayjob["metadata"].get("deletionTimestamp"):
+                self.ray_clusters[(namespace, name)] = cluster_name  # the job's own RayJob (created or recorded)
             observed.pods = pods_of(self._list(PODS, namespace, f"{JOB_LABEL}={name}"), observed.rayjob)
             observed.pod_events = self._stuck_pod_events(namespace, name, observed.pods)
             if cluster_name and prev.get("phase") not in TERMINAL:
