@@ -44,7 +44,7 @@ from .status import (
     set_condition,
     stuck_creating,
 )
-from .transitions import TERMINAL, RayJobAction, decide, judged, rayjob_held_suspended
+from .transitions import TERMINAL, RayJobAction, decide, judged, rayjob_held_suspended, seconds_until_deadline
 
 Obj = dict[str, Any]
 HASH_ANNOTATION = "finetune.dev/render-hash"
@@ -385,6 +385,7 @@ class Reconciler:
             now=now,
             policy=policy,
             detect_stalls=bool(self.cfg.progress_url),  # no progress channel: silence means nothing
+            deadline_seconds=job.spec.active_deadline_seconds if job is not None else None,
         )
         new = decision.status
         if decision.action == RayJobAction.resume and job is not None:
@@ -406,6 +407,9 @@ class Reconciler:
         if observed.blocked:
             self.requeue_after(namespace, name, BLOCKED_REQUEUE_SECONDS)
         self._schedule_stall_check(namespace, name, new, now, policy.timeout_seconds if policy else None, observed)
+        deadline_in = seconds_until_deadline(new, now, job.spec.active_deadline_seconds if job is not None else None)
+        if deadline_in is not None:  # row 25: look again when the deadline passes (no event would come then)
+            self._look_again(namespace, name, deadline_in + 1.0)
         return phase
 
     def _stuck_pod_events(self, namespace: str, name: str, pods: list[Obj]) -> dict[str, tuple[str, str]]:
