@@ -535,7 +535,8 @@ class Reconciler:
         # in status can never lead to a second, differently named child, so they are recorded by this
         # reconcile's status write, not by a write of their own before anything is created.
         try:
-            desired = render_children(job, self.runtime_files, cfg or self.cfg)
+            # A job keeps the runtime its RayJob was created with (runtime_configmaps.py: Runtimes.files_for).
+            desired = render_children(job, self.runtimes.files_for(ns, rayjob_now, self.runtime_files), cfg or self.cfg)
         except SpecError as err:
             observed.spec_issues = err.issues
             if recorded:
