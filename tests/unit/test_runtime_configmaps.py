@@ -8,6 +8,8 @@ from typing import Any
 
 from finetune_operator.controller.runtime_configmaps import Runtimes
 
+from tests.unit.api_server import ApiServer
+
 Obj = dict[str, Any]
 
 
@@ -116,80 +118,18 @@ def test_a_collection_forgets_what_its_listing_lacks() -> None:
 
 
 # ------------------------------------------------------------------ a job keeps the runtime it started with
-class Store:
-    """The API server as far as a reconcile of a running job goes: objects by (resource, name), with UIDs and
-    resourceVersions; records the writes. Stands in for the real one in this unit test only (the integration
-    test restarts a real operator with another runtime)."""
-
-    def __init__(self) -> None:
-        self.objects: dict[tuple[str, str], Obj] = {}
-        self.calls: list[tuple[str, str, str]] = []
-        self.writes: dict[str, int] = {}  # Kube's request counters (Metrics.mirror_api_calls)
-        self.reads: dict[str, int] = {}
-        self.n = 0
-
-    def _put(self, gvr: Any, body: Obj) -> Obj:
-        self.n += 1
-        obj = {**body, "metadata": {**body["metadata"], "namespace": "ns", "resourceVersion": str(self.n)}}
-        obj["metadata"].setdefault("uid", f"uid-{gvr[2]}-{self.n}")
-        self.objects[(gvr[2], obj["metadata"]["name"])] = obj
-        return obj
-
-    def get(self, gvr: Any, namespace: str | None, name: str) -> Obj | None:
-        return self.objects.get((gvr[2], name))
-
-    def get_metadata(self, gvr: Any, namespace: str | None, name: str) -> Obj | None:
-        hit = self.get(gvr, namespace, name)
-        return {"metadata": hit["metadata"]} if hit else None
-
-    def list_objects(self, gvr: Any, namespace: str | None, selector: str | None) -> list[Obj]:
-        return [o for (res, _), o in self.objects.items() if res == gvr[2]]
-
-    def create(self, gvr: Any, namespace: str | None, body: Obj, kind: str) -> Obj:
-        self.calls.append(("create", kind, body["metadata"]["name"]))
-        return self._put(gvr, body)
-
-    def own_for_apply(self, body: Obj) -> None:
-        pass
-
-    def delete(self, gvr: Any, namespace: str, name: str, kind: str, uid: str | None = None) -> None:
-        self.calls.append(("delete", kind, name))
-        del self.objects[(gvr[2], name)]
-
-    def apply(self, body: Obj) -> Obj:
-        self.calls.append(("apply", body["kind"], body["metadata"]["name"]))
-        old = self.objects[("rayjobs", body["metadata"]["name"])]
-        return self._put(("ray.io", "v1", "rayjobs"), {**body, "status": old.get("status")})
-
-    def patch(self, gvr: Any, namespace: str, name: str, patch: Obj, kind: str = "") -> Obj:
-        self.calls.append(("patch", kind, name))
-        return self.objects[(gvr[2], name)]
-
-    def patch_status(self, namespace: str, name: str, patch: Obj, uid: str | None = None,
-                     has_status: bool = True, resource_version: str | None = None) -> Obj:
-        job = self.objects[("finetunejobs", name)]
-        job["status"] = {k: v for k, v in {**(job.get("status") or {}), **patch}.items() if v is not None}
-        return job
-
-    def event(self, *args: Any, **kwargs: Any) -> None:
-        pass
-
-    def list_events(self, *args: Any) -> list[Obj]:
-        return []
-
-
 OLD = {"finetune_training/__init__.py": "", "finetune_training/loop.py": "v1"}
 NEW = {"finetune_training/__init__.py": "", "finetune_training/loop.py": "v2"}
 
 
-def _operator(kube: Store, files: dict[str, str]) -> Any:
+def _operator(kube: ApiServer, files: dict[str, str]) -> Any:
     from finetune_operator.controller.reconcile import Reconciler
     from finetune_operator.render.config import RenderConfig
 
     return Reconciler(kube, RenderConfig(), files, clock=lambda: "2026-12-05T10:00:00Z")  # type: ignore[arg-type]
 
 
-def _running_job(kube: Store, name: str, files: dict[str, str]) -> Obj:
+def _running_job(kube: ApiServer, name: str, files: dict[str, str]) -> Obj:
     """A job the operator running `files` created, whose RayJob KubeRay runs."""
     from finetune_operator.controller.k8s import FTJ
 
@@ -208,7 +148,7 @@ def _running_job(kube: Store, name: str, files: dict[str, str]) -> Obj:
 def test_an_operator_upgrade_leaves_a_running_jobs_rayjob_and_runtime_alone() -> None:
     from finetune_operator.render.rayjob import RUNTIME_LABEL, runtime_hash
 
-    kube = Store()
+    kube = ApiServer()
     rayjob = _running_job(kube, "j", OLD)
     kube.calls.clear()
     upgraded = _operator(kube, NEW)
@@ -236,7 +176,7 @@ def test_an_operator_upgrade_leaves_a_running_jobs_rayjob_and_runtime_alone() ->
 def test_an_earlier_runtime_is_read_back_once_and_checked_against_its_digest() -> None:
     from finetune_operator.render.rayjob import runtime_hash
 
-    kube = Store()
+    kube = ApiServer()
     _running_job(kube, "j", OLD)
     runtimes = Runtimes(kube)  # type: ignore[arg-type]
     rayjob = kube.objects[("rayjobs", "j")]

@@ -236,3 +236,36 @@ def test_seconds_until_the_deadline_counts_from_the_first_start(status: StatusDo
                                                                 left: float | None) -> None:
     """The reconciler looks at the job again when its deadline passes (no watch event would come then)."""
     assert transitions.seconds_until_deadline(status.obj(), NOW, deadline) == left
+
+
+@pytest.mark.parametrize("deadline, phase, look_in", [(1800, "Failed", None), (7200, "Running", 3601.0)],
+                         ids=["passed-over-two-attempts", "an-hour-left"])
+def test_the_reconciler_enforces_the_deadline_over_attempts(deadline: int, phase: str, look_in: float | None) -> None:
+    """KubeRay's second attempt started 10 minutes ago (its own deadline is far off); the job first started an
+    hour ago. Past the deadline the job fails and its RayJob is suspended (the Ray cluster released); before
+    it, the reconciler looks again when it passes."""
+    from finetune_operator.controller.k8s import FTJ
+    from finetune_operator.controller.reconcile import Reconciler
+    from finetune_operator.render.config import RenderConfig
+
+    from tests.builders import JobDoc
+    from tests.unit.api_server import ApiServer
+
+    kube, looks = ApiServer(), []
+    rec = Reconciler(kube, RenderConfig(), {}, clock=lambda: NOW,  # type: ignore[arg-type]
+                     requeue_after=lambda ns, name, delay: looks.append(delay))
+    kube._put(FTJ, JobDoc("j").spec(activeDeadlineSeconds=deadline).obj())
+    rec.reconcile("ns", "j")  # creates the RayJob
+    kube.objects[("rayjobs", "j")]["status"] = {"jobDeploymentStatus": "Running", "jobStatus": "RUNNING", "failed": 1,
+                                               "rayClusterName": "j-2", "startTime": "2026-12-02T09:50:00Z"}
+    job = kube.objects[("finetunejobs", "j")]
+    job["status"] = {**job["status"], "startTime": HOUR_AGO, "rayJobUID": kube.objects[("rayjobs", "j")]["metadata"]["uid"]}
+    kube.calls.clear()
+    looks.clear()
+    assert rec.reconcile("ns", "j") == phase
+    status = kube.objects[("finetunejobs", "j")]["status"]
+    assert status["startTime"] == HOUR_AGO
+    if phase == "Failed":
+        assert next(c for c in status["conditions"] if c["type"] == "Failed")["reason"] == "DeadlineExceeded"
+        assert ("patch", "RayJob", "j") in kube.calls and kube.patches[-1]["spec"]["suspend"] is True
+    assert look_in is None or look_in in looks
