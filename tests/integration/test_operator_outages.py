@@ -26,7 +26,17 @@ import pytest
 from tests.builders import ftj
 from tests.integration.conftest import Kube, wait_for
 from tests.integration.operator_fixtures import OperatorProcess, service_account_kubeconfig
-from tests.integration.support import LEASE_NS, condition, create, job_token, kubectl, metric, phase_is, status, worker_pods
+from tests.integration.support import (
+    LEASE_NS,
+    condition,
+    create,
+    job_token,
+    kubectl,
+    metric,
+    phase_is,
+    status,
+    worker_pods,
+)
 
 REJECT = "finetune-test-reject"  # the PriorityLevelConfiguration and the FlowSchema
 
