@@ -8,9 +8,9 @@ the FinetuneJob object (UID) the pod belongs to through its owners (Pod -> RayCl
 FinetuneJob). The audience names the job by namespace/name only: a pod of a job deleted and re-created
 under its name holds a token the new job's audience accepts, so a report is bound to that UID and refused
 (409) if the job under the name is another object now. A valid token minted for another job gets 403;
-a missing or forged one 401. Plain HTTP inside the
-cluster network by default (the tokens are short-lived and useless against the API server, and a
-NetworkPolicy in deploy/ admits only job pods); pass --tls-cert/--tls-key for HTTPS.
+a missing or forged one 401. Plain HTTP inside the cluster network by default (the tokens are short-lived
+and useless against the API server, and a NetworkPolicy in deploy/ admits only job pods); pass
+--tls-cert/--tls-key for HTTPS.
 
 Updates are coalesced: the latest report per job is kept in memory and written to the status at once
 if the job's last write is at least a flush interval ago, else when it is (per job, leading edge): a

@@ -41,14 +41,15 @@ wins ("any": any phase that is not final; "unjudged": no RayJob recorded in stat
 Rows 1-17, 23 and 24 are `derive_status` (what was observed); 18-22 and 25 are `decide` on top of it (the stall
 policy, the restart's resume, final verdicts, the job's deadline). KubeRay's reason in row 10 is e.g. DeadlineExceeded
 (activeDeadlineSeconds) or AppFailed; BackoffLimitExceeded when retries ran out without one. stallPolicy
-Report stops at row 15.
-Row 25: status.startTime is the job's first start (KubeRay's start of its first attempt, kept: KubeRay sets its
-own anew on every retry and resume and counts activeDeadlineSeconds per attempt), so the deadline holds
-for the job across retries, stall restarts and suspensions (the time suspended counts). It is tried before
-the stall rows (a job past its deadline is not restarted); the cluster is released as in row 18. Row 21 also clears the mark without an action when the RayJob is already resumed
+Report stops at row 15. Row 21 also clears the mark without an action when the RayJob is already resumed
 (the resume went out, the status write after it did not). A phase left behind takes its conditions with
 it (Stalled leaves with Running, Blocked with Pending, ...). A reconcile that raises changes no phase: it
 records Reconciled=False (reconcile.py).
+
+Row 25: status.startTime is the job's first start (KubeRay's start of its first attempt, kept: KubeRay sets its
+own anew on every retry and resume and counts activeDeadlineSeconds per attempt), so the deadline holds for
+the job across retries, stall restarts and suspensions (the time suspended counts). It is tried after row 22
+and before rows 18-21 (a job past its deadline is not restarted); the cluster is released as in row 18.
 
 Rows 1, 23 and 24: a job is judged (its spec, its instance-type figures and the allow-list) only while it has no
 RayJob; the figures it was judged against are recorded in status.instance and every later render of it uses
