@@ -408,3 +408,26 @@ def test_only_the_jobs_own_rayjob_names_its_current_cluster(owners: list[dict[st
               "status": {"rayClusterName": "a-copy-xyz"}}
     rec.observe_rayjob("ns", "a", rayjob)
     assert rec.ray_clusters[("ns", "a")] == ("a-copy-xyz" if fences else "a-real")
+
+
+def test_a_reconcile_records_the_cluster_of_the_jobs_own_rayjob() -> None:
+    """Just after a restart the RayJob's watch event may come before the job's first reconcile (its UID not
+    known yet: the event is not trusted); the reconcile, which knows the RayJob is the job's own, records it."""
+    from finetune_operator.controller.k8s import FTJ
+    from finetune_operator.controller.reconcile import Reconciler
+    from finetune_operator.render.config import RenderConfig
+
+    from tests.builders import JobDoc
+    from tests.unit.api_server import ApiServer
+
+    kube = ApiServer()
+    rec = Reconciler(kube, RenderConfig(), {}, clock=lambda: "2026-12-05T10:00:00Z")  # type: ignore[arg-type]
+    kube._put(FTJ, JobDoc("a").obj())
+    rec.reconcile("ns", "a")  # creates the RayJob
+    kube.objects[("rayjobs", "a")]["status"] = {"jobDeploymentStatus": "Initializing", "rayClusterName": "a-xyz"}
+    rec.observe_rayjob("ns", "a", kube.objects[("rayjobs", "a")])
+    rec.forget("ns", "a")  # a restarted operator: nothing known
+    rec.observe_rayjob("ns", "a", kube.objects[("rayjobs", "a")])
+    assert ("ns", "a") not in rec.ray_clusters
+    rec.reconcile("ns", "a")
+    assert rec.ray_clusters[("ns", "a")] == "a-xyz"
