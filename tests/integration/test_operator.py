@@ -643,8 +643,9 @@ def test_an_operator_upgrade_leaves_a_running_job_on_the_runtime_it_started_with
     with (later / "finetune_training" / "__init__.py").open("a") as f:
         f.write("# a later release\n")
     operator.stop()
+    # The same address (the rendered progress URL names it): only the runtime differs.
     upgraded = OperatorProcess(operator_kubeconfig, tmp_path, identity="op-upgraded", lease_namespace=LEASE_NS,
-                               extra_env={"PYTHONPATH": os.pathsep.join(filter(None, [str(later), os.environ.get("PYTHONPATH")]))})
+                               port=operator.port, extra_env={"PYTHONPATH": os.pathsep.join(filter(None, [str(later), os.environ.get("PYTHONPATH")]))})
     try:
         upgraded.start()
         create(kube, namespace, ftj("fresh"))
