@@ -123,7 +123,8 @@ async def run(args: argparse.Namespace) -> int:
                               current_cluster=lambda ns, name: reconciler.ray_clusters.get((ns, name)),
                               current_uid=lambda ns, name: reconciler.uids.get((ns, name)),
                               current_version=lambda ns, name: cache.version(FTJ, ns, name),
-                              get_pod=lambda ns, name: cache.get(PODS, ns, name))
+                              get_pod=lambda ns, name: cache.get(PODS, ns, name),
+                              get_owner=lambda gvr, ns, name: cache.get(gvr, ns, name))
     metrics.queue_depth.set_function(queue.depth)
 
     async def check_kuberay() -> bool:

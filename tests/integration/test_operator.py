@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import shutil
 import subprocess
 import time
 from collections.abc import Iterator
@@ -14,7 +16,7 @@ from kubernetes.client.rest import ApiException
 
 from tests.builders import example, ftj
 from tests.integration.conftest import Kube, create_namespace, wait_for
-from tests.integration.operator_fixtures import OperatorProcess, service_account_kubeconfig
+from tests.integration.operator_fixtures import ROOT, OperatorProcess, service_account_kubeconfig
 from tests.integration.support import (
     LEASE_NS,
     G,
@@ -362,18 +364,36 @@ def test_progress_channel_authenticates_per_job(kube: Kube, namespace: str, oper
 def test_a_report_from_an_earlier_ray_cluster_is_refused(kube: Kube, namespace: str, operator: OperatorProcess) -> None:
     """Issue 9, item 3: after a retry or a resume KubeRay runs the job on a new RayCluster; a pod of the
     earlier one (still terminating, its token still valid) must not overwrite the status. The stale pod
-    here is made by hand exactly as KubeRay labels its Ray pods, only with the earlier cluster's name."""
+    here is made by hand exactly as KubeRay labels its Ray pods, only with the earlier cluster's name, and
+    owned as KubeRay owns them: by that earlier RayCluster (made by hand too, owned by the job's RayJob, and
+    marked managed by another controller so KubeRay leaves it and its pod alone). A pod whose owners do not
+    lead to the job (here: none) is refused with 403."""
     create(kube, namespace, ftj("gamma"))
     wait_for("gamma pods", lambda: worker_pods(kube, namespace, "gamma"), timeout=90)
     current_pod = worker_pods(kube, namespace, "gamma")[0]
     current = current_pod.metadata.labels["ray.io/cluster"]
-    assert rayjobs(kube, namespace)[0]["status"]["rayClusterName"] == current
-    stale_pod = kube.core.create_namespaced_pod(namespace, client.V1Pod(
-        metadata=client.V1ObjectMeta(name="gamma-earlier-worker", labels={
-            "finetune.dev/job": "gamma", "ray.io/cluster": f"{current}-earlier", "ray.io/node-type": "worker"}),
-        spec=client.V1PodSpec(containers=[client.V1Container(name="ray-worker", image="unused")],
-                              node_selector={"finetune.dev/nowhere": "true"})))  # stays Pending: enough for a token
+    (rj,) = rayjobs(kube, namespace)
+    assert rj["status"]["rayClusterName"] == current
+    earlier = kube.custom.create_namespaced_custom_object("ray.io", "v1", namespace, "rayclusters", {
+        "apiVersion": "ray.io/v1", "kind": "RayCluster",
+        "metadata": {"name": f"{current}-earlier", "ownerReferences": [
+            {"apiVersion": "ray.io/v1", "kind": "RayJob", "name": "gamma", "uid": rj["metadata"]["uid"]}]},
+        "spec": {"managedBy": "kueue.x-k8s.io/multikueue", "headGroupSpec": {"rayStartParams": {}, "template": {
+            "spec": {"containers": [{"name": "ray-head", "image": "unused"}]}}}}})
+
+    def hand_made_pod(name: str, owners: list[client.V1OwnerReference] | None) -> Any:
+        return kube.core.create_namespaced_pod(namespace, client.V1Pod(
+            metadata=client.V1ObjectMeta(name=name, owner_references=owners, labels={
+                "finetune.dev/job": "gamma", "ray.io/cluster": f"{current}-earlier", "ray.io/node-type": "worker"}),
+            spec=client.V1PodSpec(containers=[client.V1Container(name="ray-worker", image="unused")],
+                                  node_selector={"finetune.dev/nowhere": "true"})))  # stays Pending: enough for a token
+
+    stale_pod = hand_made_pod("gamma-earlier-worker", [client.V1OwnerReference(
+        api_version="ray.io/v1", kind="RayCluster", name=f"{current}-earlier", uid=earlier["metadata"]["uid"])])
     audience = f"finetune.dev/progress/{namespace}/gamma"
+    ownerless = job_token(kube, namespace, hand_made_pod("gamma-ownerless-worker", None), audience)
+    code, text = operator.post(namespace, "gamma", {"rank": 0, "training": {"step": 50}}, ownerless)
+    assert code == 403 and "belongs to no FinetuneJob" in text, (code, text)
     stale_token = job_token(kube, namespace, stale_pod, audience)
     stale = {"rank": 0, "training": {"step": 90, "totalSteps": 100, "loss": 9.99}}
 
@@ -602,6 +622,49 @@ def test_a_runtime_config_map_deleted_behind_the_operators_back_is_created_again
     create_namespace(kube.core, namespace, timeout=30)
     create(kube, namespace, ftj("three"))
     wait_for("the runtime ConfigMap created in the re-created namespace", lambda: runtime_cms() == [first], timeout=30)
+
+
+def test_an_operator_upgrade_leaves_a_running_job_on_the_runtime_it_started_with(
+        kube: Kube, namespace: str, operator: OperatorProcess, operator_kubeconfig: Path, tmp_path: Path) -> None:
+    """An operator with another runtime (a later release: here the training package with one more line) does
+    not re-apply a job's RayJob: its next retry or resume would run new code against the old checkpoint.
+    New jobs get the new runtime, and the old runtime's ConfigMap stays while the old job's RayJob names it."""
+    def runtime_cms() -> set[str]:
+        return {c.metadata.name for c in kube.core.list_namespaced_config_map(
+            namespace, label_selector="finetune.dev/runtime").items}
+
+    create(kube, namespace, ftj("kept"))
+    wait_for("the RayJob recorded", lambda: status(kube, namespace, "kept").get("rayJobUID"), timeout=60)
+    (before,) = rayjobs(kube, namespace)
+    old = before["metadata"]["labels"]["finetune.dev/runtime"]
+    later = tmp_path / "later"
+    shutil.copytree(ROOT / "training" / "finetune_training", later / "finetune_training",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    with (later / "finetune_training" / "__init__.py").open("a") as f:
+        f.write("# a later release\n")
+    operator.stop()
+    # The same address (the rendered progress URL names it): only the runtime differs.
+    upgraded = OperatorProcess(operator_kubeconfig, tmp_path, identity="op-upgraded", lease_namespace=LEASE_NS,
+                               port=operator.port, extra_env={"PYTHONPATH": os.pathsep.join(filter(None, [str(later), os.environ.get("PYTHONPATH")]))})
+    try:
+        upgraded.start()
+        create(kube, namespace, ftj("fresh"))
+        fresh = wait_for("the new job's RayJob", lambda: next(
+            (r for r in rayjobs(kube, namespace) if r["metadata"]["name"] == "fresh"), None), timeout=60)
+        new = fresh["metadata"]["labels"]["finetune.dev/runtime"]  # type: ignore[index]
+        assert new != old
+        # Evidence the upgraded process reconciled the old job (its /metrics are set at the end of a reconcile,
+        # after the children were applied) before looking at its RayJob.
+        wait_for("the upgraded operator reconciled the old job", lambda: any(
+            line.startswith("finetune_job_phase{") and 'name="kept"' in line and line.endswith(" 1.0")
+            for line in upgraded.metrics().splitlines()), timeout=60)
+        (after,) = [r for r in rayjobs(kube, namespace) if r["metadata"]["name"] == "kept"]
+        assert after["metadata"]["generation"] == before["metadata"]["generation"]  # no spec change applied
+        assert after["metadata"]["labels"]["finetune.dev/runtime"] == old
+        assert runtime_cms() == {f"finetune-runtime-{old}", f"finetune-runtime-{new}"}
+    finally:
+        upgraded.stop()
+        operator.start()
 
 
 # The module's operator runs with the runner's default --lease-duration (30 s): it renews every third of it,

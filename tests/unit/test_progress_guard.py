@@ -321,3 +321,140 @@ def test_a_slow_status_write_holds_up_only_its_own_job() -> None:
     assert kube.hanging.is_set()
     assert sorted(while_hanging) == fast, (while_hanging, kube.written)  # all written while `slow` hung
     assert kube.written[-1] == "slow", kube.written
+
+
+# ------------------------------------------------------------------ reports are bound to the job's UID
+def _owned(kind: str, name: str, uid: str, owner_kind: str, owner_name: str, owner_uid: str,
+           **labels: str) -> dict[str, object]:
+    return {"kind": kind, "metadata": {"name": name, "namespace": "ns", "uid": uid, "labels": labels,
+                                       "ownerReferences": [{"kind": owner_kind, "name": owner_name, "uid": owner_uid}]}}
+
+
+class Incarnations(StubKube):
+    """Job ns/a deleted and created again under its name: the old one's pod `old-w` is still there (its
+    RayCluster and RayJob too, or already gone), the new one's pod `new-w` runs. Every token is genuine."""
+
+    def __init__(self, old_children: bool = True) -> None:
+        super().__init__()
+        rayjob = "a-rayjob"
+        self.objects: dict[tuple[str, str], dict[str, object]] = {
+            ("pods", "new-w"): _owned("Pod", "new-w", "pod-new", "RayCluster", "a-new", "rc-new",
+                                      **{"finetune.dev/job": "a", "ray.io/cluster": "a-new"}),
+            ("rayclusters", "a-new"): _owned("RayCluster", "a-new", "rc-new", "RayJob", rayjob, "rj-new"),
+            ("rayjobs", rayjob): _owned("RayJob", rayjob, "rj-new", "FinetuneJob", "a", "uid-new"),
+            ("pods", "old-w"): _owned("Pod", "old-w", "pod-old", "RayCluster", "a-old", "rc-old",
+                                      **{"finetune.dev/job": "a", "ray.io/cluster": "a-old"}),
+        }
+        if old_children:  # the old RayJob's name is taken by the new one: only its RayCluster can remain
+            self.objects[("rayclusters", "a-old")] = _owned("RayCluster", "a-old", "rc-old", "RayJob", rayjob, "rj-old")
+
+    def token_review(self, token: str, audiences: list[str]) -> dict[str, object]:
+        self.reviews += 1
+        pod = token.split(".")[2]  # these test tokens name their pod in the signature part
+        return {"authenticated": True, "user": {"username": "system:serviceaccount:ns:default", "extra": {
+            "authentication.kubernetes.io/pod-name": [pod], "authentication.kubernetes.io/pod-uid": [f"pod-{pod[:3]}"]}}}
+
+    def get(self, gvr: tuple[str, str, str], ns: str, name: str) -> dict[str, object] | None:
+        return self.objects.get((gvr[2], name))
+
+
+class Request:
+    """What ProgressServer.handle_progress reads of an aiohttp request."""
+
+    def __init__(self, token: str, body: bytes) -> None:
+        self.match_info = {"namespace": "ns", "name": "a"}
+        self.headers = {"Authorization": f"Bearer {token}"}
+        self.remote = "10.0.0.5"
+        self._body = body
+
+        class Content:
+            async def read(_self, n: int) -> bytes:
+                out, self._body = self._body[:n], self._body[n:]
+                return out
+
+        self.content = Content()
+
+
+def _post(server: ProgressServer, pod: str) -> tuple[int, str]:
+    import asyncio
+
+    token = _jwt({"aud": ["finetune.dev/progress/ns/a"], "exp": 10**12}).rsplit(".", 1)[0] + f".{pod}"
+    body = json.dumps({"rank": 0, "training": {"step": 3}}).encode()
+    resp = asyncio.run(server.handle_progress(Request(token, body)))  # type: ignore[arg-type]
+    return resp.status, json.loads(resp.body)["message"]  # type: ignore[union-attr,arg-type]
+
+
+@pytest.mark.parametrize("old_rayjob, old_raycluster, code, says", [
+    (True, True, 409, "report from a pod of a previous FinetuneJob ns/a (uid uid-old); the job under that name now is uid uid-new"),
+    (False, True, 403, "pod old-w belongs to no FinetuneJob ns/a any more"),
+    (False, False, 403, "pod old-w belongs to no FinetuneJob ns/a any more"),
+], ids=["old-rayjob-still-there", "old-raycluster-left", "old-children-gone"])
+def test_a_pod_of_a_deleted_job_cannot_report_into_its_same_name_successor(old_rayjob: bool, old_raycluster: bool,
+                                                                           code: int, says: str) -> None:
+    kube = Incarnations(old_raycluster)
+    if old_rayjob:  # the new job waits for it (WaitingForPreviousChild): it has no pods yet
+        kube.objects[("rayjobs", "a-rayjob")] = _owned("RayJob", "a-rayjob", "rj-old", "FinetuneJob", "a", "uid-old")
+    server = ProgressServer(kube, Metrics(), current_uid=lambda ns, n: "uid-new")  # type: ignore[arg-type]
+    server.ready = True
+    status, message = _post(server, "old-w")
+    assert status == code and message.startswith(says), message
+    assert ("ns", "a") not in server.pending
+    if not old_rayjob:
+        assert _post(server, "new-w") == (202, "accepted")
+        server.flush_once()
+        assert kube.uids == ["uid-new"]
+
+
+def test_a_report_is_bound_to_its_pods_job_even_before_the_reconciler_knows_the_job() -> None:
+    """Just after a restart the reconciler has not seen the job yet: the write is guarded by the UID the
+    pod's owners name, so the old job's progress can never land on the new object."""
+    kube = Incarnations()
+    kube.objects[("rayjobs", "a-rayjob")] = _owned("RayJob", "a-rayjob", "rj-old", "FinetuneJob", "a", "uid-old")
+    server = ProgressServer(kube, Metrics())  # type: ignore[arg-type]
+    server.ready = True
+    assert _post(server, "old-w")[0] == 202
+    server.flush_once()
+    assert kube.uids == ["uid-old"]  # Kube.patch_status refuses it (ObjectReplaced) if ns/a is another object
+
+
+@pytest.mark.parametrize("owners, fences", [
+    ([], False),
+    ([{"kind": "FinetuneJob", "name": "a", "uid": "uid-old"}], False),  # a previous job's under the name
+    ([{"kind": "FinetuneJob", "name": "a", "uid": "uid-1"}], True),
+], ids=["unowned", "previous-job", "own"])
+def test_only_the_jobs_own_rayjob_names_its_current_cluster(owners: list[dict[str, str]], fences: bool) -> None:
+    """The cluster a RayJob names fences off reports from every other cluster (ProgressServer.current_cluster):
+    a RayJob merely labelled with the job must not shut out the real pods' reports."""
+    from finetune_operator.controller.reconcile import Reconciler
+    from finetune_operator.render.config import RenderConfig
+
+    rec = Reconciler(None, RenderConfig(), {})  # type: ignore[arg-type]
+    rec.uids[("ns", "a")] = "uid-1"
+    rec.ray_clusters[("ns", "a")] = "a-real"
+    rayjob = {"metadata": {"name": "a-copy", "uid": "rj-x", "ownerReferences": owners},
+              "status": {"rayClusterName": "a-copy-xyz"}}
+    rec.observe_rayjob("ns", "a", rayjob)
+    assert rec.ray_clusters[("ns", "a")] == ("a-copy-xyz" if fences else "a-real")
+
+
+def test_a_reconcile_records_the_cluster_of_the_jobs_own_rayjob() -> None:
+    """Just after a restart the RayJob's watch event may come before the job's first reconcile (its UID not
+    known yet: the event is not trusted); the reconcile, which knows the RayJob is the job's own, records it."""
+    from finetune_operator.controller.k8s import FTJ
+    from finetune_operator.controller.reconcile import Reconciler
+    from finetune_operator.render.config import RenderConfig
+
+    from tests.builders import JobDoc
+    from tests.unit.api_server import ApiServer
+
+    kube = ApiServer()
+    rec = Reconciler(kube, RenderConfig(), {}, clock=lambda: "2026-12-05T10:00:00Z")  # type: ignore[arg-type]
+    kube._put(FTJ, JobDoc("a").obj())
+    rec.reconcile("ns", "a")  # creates the RayJob
+    kube.objects[("rayjobs", "a")]["status"] = {"jobDeploymentStatus": "Initializing", "rayClusterName": "a-xyz"}
+    rec.observe_rayjob("ns", "a", kube.objects[("rayjobs", "a")])
+    rec.forget("ns", "a")  # a restarted operator: nothing known
+    rec.observe_rayjob("ns", "a", kube.objects[("rayjobs", "a")])
+    assert ("ns", "a") not in rec.ray_clusters
+    rec.reconcile("ns", "a")
+    assert rec.ray_clusters[("ns", "a")] == "a-xyz"

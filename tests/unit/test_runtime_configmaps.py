@@ -8,6 +8,8 @@ from typing import Any
 
 from finetune_operator.controller.runtime_configmaps import Runtimes
 
+from tests.unit.api_server import ApiServer
+
 Obj = dict[str, Any]
 
 
@@ -113,3 +115,73 @@ def test_a_collection_forgets_what_its_listing_lacks() -> None:
     kube.cms.clear()
     assert runtimes.collect("ns", [], [], "cur") == []
     assert runtimes.ensure(cm("cur")) is True and kube.created == ["finetune-runtime-cur"] * 2
+
+
+# ------------------------------------------------------------------ a job keeps the runtime it started with
+OLD = {"finetune_training/__init__.py": "", "finetune_training/loop.py": "v1"}
+NEW = {"finetune_training/__init__.py": "", "finetune_training/loop.py": "v2"}
+
+
+def _operator(kube: ApiServer, files: dict[str, str]) -> Any:
+    from finetune_operator.controller.reconcile import Reconciler
+    from finetune_operator.render.config import RenderConfig
+
+    return Reconciler(kube, RenderConfig(), files, clock=lambda: "2026-12-05T10:00:00Z")  # type: ignore[arg-type]
+
+
+def _running_job(kube: ApiServer, name: str, files: dict[str, str]) -> Obj:
+    """A job the operator running `files` created, whose RayJob KubeRay runs."""
+    from finetune_operator.controller.k8s import FTJ
+
+    from tests.builders import JobDoc
+
+    kube._put(FTJ, JobDoc(name).obj())
+    _operator(kube, files).reconcile("ns", name)
+    rayjob = kube.objects[("rayjobs", name)]
+    rayjob["status"] = {"jobDeploymentStatus": "Running", "jobStatus": "RUNNING", "rayClusterName": f"{name}-abc",
+                        "startTime": "2026-12-05T09:00:00Z"}
+    _operator(kube, files).reconcile("ns", name)  # records the RayJob's UID in status
+    assert kube.objects[("finetunejobs", name)]["status"]["rayJobUID"] == rayjob["metadata"]["uid"]
+    return rayjob
+
+
+def test_an_operator_upgrade_leaves_a_running_jobs_rayjob_and_runtime_alone() -> None:
+    from finetune_operator.render.rayjob import RUNTIME_LABEL, runtime_hash
+
+    kube = ApiServer()
+    rayjob = _running_job(kube, "j", OLD)
+    kube.calls.clear()
+    upgraded = _operator(kube, NEW)
+    upgraded.reconcile("ns", "j")
+    # No re-apply: the RayJob still mounts, and its next retry or resume runs, the runtime it started with.
+    assert [w for w in kube.calls if w[1] == "RayJob"] == []
+    assert kube.objects[("rayjobs", "j")]["metadata"]["labels"][RUNTIME_LABEL] == runtime_hash(OLD)
+    assert ("configmaps", f"finetune-runtime-{runtime_hash(NEW)}") not in kube.objects
+    # A spec edit is applied, still on the old runtime.
+    kube.objects[("finetunejobs", "j")]["spec"]["backoffLimit"] = 2
+    upgraded.reconcile("ns", "j")
+    assert [w for w in kube.calls if w[1] == "RayJob"] == [("apply", "RayJob", "j")]
+    assert kube.objects[("rayjobs", "j")]["metadata"]["labels"][RUNTIME_LABEL] == runtime_hash(OLD)
+    assert kube.objects[("rayjobs", "j")]["metadata"]["uid"] == rayjob["metadata"]["uid"]
+    # A new job gets the new runtime; the old runtime's ConfigMap stays while the old job's RayJob names it.
+    _running_job(kube, "k", NEW)
+    assert kube.objects[("rayjobs", "k")]["metadata"]["labels"][RUNTIME_LABEL] == runtime_hash(NEW)
+    jobs = [o for (res, _), o in kube.objects.items() if res == "finetunejobs"]
+    holders = [o for (res, _), o in kube.objects.items() if res == "rayjobs"]
+    assert upgraded.runtimes.collect("ns", jobs, holders, runtime_hash(NEW)) == []
+    # Once the old job's RayJob is gone, its runtime goes.
+    assert upgraded.runtimes.collect("ns", jobs, holders[1:], runtime_hash(NEW)) == [f"finetune-runtime-{runtime_hash(OLD)}"]
+
+
+def test_an_earlier_runtime_is_read_back_once_and_checked_against_its_digest() -> None:
+    from finetune_operator.render.rayjob import runtime_hash
+
+    kube = ApiServer()
+    _running_job(kube, "j", OLD)
+    runtimes = Runtimes(kube)  # type: ignore[arg-type]
+    rayjob = kube.objects[("rayjobs", "j")]
+    assert runtimes.files_for("ns", rayjob, NEW) == OLD
+    del kube.objects[("configmaps", f"finetune-runtime-{runtime_hash(OLD)}")]
+    assert runtimes.files_for("ns", rayjob, NEW) == OLD  # read once: kept in memory (content-addressed)
+    assert Runtimes(kube).files_for("ns", rayjob, NEW) == NEW  # gone, and not known: the operator's own  # type: ignore[arg-type]
+    assert runtimes.files_for("ns", None, NEW) == NEW  # no RayJob yet

@@ -35,6 +35,8 @@ LATER = {**FIGURES, "gpus": 2, "source": "node n-1"}
 RUNNING_JUDGED = FRESH.set("rayJobUID", "rj-1").set("instance", FIGURES)
 NOT_ALLOWED = [Issue("spec.cluster.image", "x is not in the allowed images (y*; ConfigMap finetune-system/p)")]
 UNKNOWN = "spec.cluster.instanceType: no figures for 'g7.big'; waiting for them. Add them to a ConfigMap ..."
+# A job that first started an hour ago; KubeRay's RayJob says its current attempt started just now.
+FIRST_STARTED = FRESH.set("startTime", HOUR_AGO)
 LOST = StatusDoc("Running").running_since(HOUR_AGO).set("rayJobUID", "rj-1").set("step", "40/50")
 
 
@@ -62,6 +64,7 @@ class Case:
     policy: StallPolicy | None = REPORT
     fields: dict[str, Any] = field(default_factory=dict)  # status fields expected (None: absent)
     absent: tuple[str, ...] = ()  # condition types that must not be there
+    deadline: int | None = None  # spec.activeDeadlineSeconds
 
 
 CASES = [
@@ -176,6 +179,23 @@ CASES = [
          fields={"stallRestartPending": None, "stallRestarts": 1}),
     Case("stall-restart-already-resumed", 21, PENDING_RESTART, rayjob("Initializing", suspend=False), "Provisioning",
          (("Running", "False", "StallRestart"),), policy=RESTART, fields={"stallRestartPending": None}),
+    Case("deadline-counts-from-the-first-start", 25, FIRST_STARTED.set("attempt", 2),
+         rayjob("Running", "RUNNING", startTime=NOW, failed=1), "Failed",
+         (("Failed", "True", "DeadlineExceeded"), ("Running", "False", "Finished")), action=RayJobAction.release,
+         deadline=1800, fields={"startTime": HOUR_AGO, "completionTime": NOW}),
+    Case("deadline-while-retrying", 25, FIRST_STARTED, rayjob("Retrying", failed=1), "Failed",
+         (("Failed", "True", "DeadlineExceeded"),), action=RayJobAction.release, deadline=3600),
+    Case("deadline-while-suspended", 25, StatusDoc("Suspended").set("startTime", HOUR_AGO), rayjob("Suspended", suspend=True),
+         "Failed", (("Failed", "True", "DeadlineExceeded"),), action=RayJobAction.release, suspend=True, deadline=1800,
+         absent=("Suspended",)),
+    Case("deadline-before-a-stall-restart", 25, HUNG.set("startTime", HOUR_AGO), rayjob("Running", "RUNNING"), "Failed",
+         (("Failed", "True", "DeadlineExceeded"),), action=RayJobAction.release, policy=RESTART, deadline=1800,
+         absent=("Stalled",), fields={"stallRestarts": None, "stallRestartPending": None}),
+    Case("deadline-during-a-stall-restart", 25, PENDING_RESTART.set("startTime", HOUR_AGO), rayjob("Suspended", suspend=True),
+         "Failed", (("Failed", "True", "DeadlineExceeded"),), action=RayJobAction.release, policy=RESTART, deadline=1800,
+         fields={"stallRestartPending": None}),
+    Case("deadline-not-yet-first-start-kept", 14, FIRST_STARTED, rayjob("Running", "RUNNING", startTime=NOW),
+         "Running", (("Running", "True", "RayJobRunning"),), deadline=7200, fields={"startTime": HOUR_AGO}),
     Case("failed-is-final", 22, StatusDoc("Failed").condition("Failed", "True", "Stalled", HOUR_AGO),
          rayjob("Suspended", suspend=True), "Failed", (("Failed", "True", "Stalled"),), absent=("Suspended",)),
     Case("succeeded-is-final", 22, StatusDoc("Succeeded").condition("Complete", "True", "Succeeded", HOUR_AGO),
@@ -186,7 +206,7 @@ CASES = [
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
 def test_transition(case: Case) -> None:
     d = decide(generation=1, suspend=case.suspend, names=NAMES, prev=case.prev.obj(), observed=case.observed, now=NOW,
-               policy=case.policy)
+               policy=case.policy, deadline_seconds=case.deadline)
     st = d.status
     assert (st["phase"], d.action) == (case.to, case.action), st.get("message")
     have = {c["type"]: (c["type"], c["status"], c["reason"]) for c in st.get("conditions") or []}
@@ -201,5 +221,51 @@ def test_transition(case: Case) -> None:
 
 def test_every_row_of_the_table_has_a_case() -> None:
     rows = {int(n) for n in re.findall(r"^\| (\d+) +\|", transitions.__doc__ or "", re.M)}
-    assert rows == set(range(1, 25))
+    assert rows == set(range(1, 26))
     assert {c.row for c in CASES} == rows
+
+
+@pytest.mark.parametrize("status, deadline, left", [
+    (StatusDoc("Running").set("startTime", HOUR_AGO), 7200, 3600.0),
+    (StatusDoc("Running").set("startTime", HOUR_AGO), 60, 0.0),
+    (StatusDoc("Running").set("startTime", HOUR_AGO), None, None),
+    (StatusDoc("Provisioning"), 60, None),  # not started yet
+    (StatusDoc("Failed").set("startTime", HOUR_AGO), 60, None),
+], ids=["an-hour-left", "passed", "no-deadline", "not-started", "finished"])
+def test_seconds_until_the_deadline_counts_from_the_first_start(status: StatusDoc, deadline: int | None,
+                                                                left: float | None) -> None:
+    """The reconciler looks at the job again when its deadline passes (no watch event would come then)."""
+    assert transitions.seconds_until_deadline(status.obj(), NOW, deadline) == left
+
+
+@pytest.mark.parametrize("deadline, phase, look_in", [(1800, "Failed", None), (7200, "Running", 3601.0)],
+                         ids=["passed-over-two-attempts", "an-hour-left"])
+def test_the_reconciler_enforces_the_deadline_over_attempts(deadline: int, phase: str, look_in: float | None) -> None:
+    """KubeRay's second attempt started 10 minutes ago (its own deadline is far off); the job first started an
+    hour ago. Past the deadline the job fails and its RayJob is suspended (the Ray cluster released); before
+    it, the reconciler looks again when it passes."""
+    from finetune_operator.controller.k8s import FTJ
+    from finetune_operator.controller.reconcile import Reconciler
+    from finetune_operator.render.config import RenderConfig
+
+    from tests.builders import JobDoc
+    from tests.unit.api_server import ApiServer
+
+    kube, looks = ApiServer(), []
+    rec = Reconciler(kube, RenderConfig(), {}, clock=lambda: NOW,  # type: ignore[arg-type]
+                     requeue_after=lambda ns, name, delay: looks.append(delay))
+    kube._put(FTJ, JobDoc("j").spec(activeDeadlineSeconds=deadline).obj())
+    rec.reconcile("ns", "j")  # creates the RayJob
+    kube.objects[("rayjobs", "j")]["status"] = {"jobDeploymentStatus": "Running", "jobStatus": "RUNNING", "failed": 1,
+                                               "rayClusterName": "j-2", "startTime": "2026-12-02T09:50:00Z"}
+    job = kube.objects[("finetunejobs", "j")]
+    job["status"] = {**job["status"], "startTime": HOUR_AGO, "rayJobUID": kube.objects[("rayjobs", "j")]["metadata"]["uid"]}
+    kube.calls.clear()
+    looks.clear()
+    assert rec.reconcile("ns", "j") == phase
+    status = kube.objects[("finetunejobs", "j")]["status"]
+    assert status["startTime"] == HOUR_AGO
+    if phase == "Failed":
+        assert next(c for c in status["conditions"] if c["type"] == "Failed")["reason"] == "DeadlineExceeded"
+        assert ("patch", "RayJob", "j") in kube.calls and kube.patches[-1]["spec"]["suspend"] is True
+    assert look_in is None or look_in in looks

@@ -691,7 +691,8 @@ class FinetuneJobSpec(SpecModel):
         description="Suspend the job: the Ray cluster is deleted, and recreated from the last checkpoint on resume.",
     )
     active_deadline_seconds: int | None = Field(
-        default=None, ge=1, le=g.INT32_MAX, description="Fail the job if it runs longer than this (per attempt)."
+        default=None, ge=1, le=g.INT32_MAX, description="Fail the job this long after it first started: over all its attempts "
+        "(retries, stall restarts), time suspended included.",
     )
     backoff_limit: int = Field(
         default=0, ge=0, le=100, description="Retries of the whole job (each on a fresh Ray cluster, resuming)."

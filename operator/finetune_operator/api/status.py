@@ -125,7 +125,8 @@ class FinetuneJobStatus(StatusModel):
     config_map_name: str | None = Field(default=None, description="Not written any more (the resolved job config is the Ray head pod's annotation finetune.dev/job-config); kept so that statuses written by earlier operator versions stay valid.")
     job_id: str | None = Field(default=None, description="Ray job submission id.")
     dashboard_url: str | None = Field(default=None, alias="dashboardURL", description="Ray dashboard address.")
-    start_time: str | None = Field(default=None, description="When the job started running.")
+    start_time: str | None = Field(
+        default=None, description="When the job first started (its first attempt; activeDeadlineSeconds counts from it).")
     completion_time: str | None = Field(default=None, description="When the job finished.")
     attempt: int | None = Field(default=None, description="Attempt number (1 + retries so far).")
     step: str | None = Field(

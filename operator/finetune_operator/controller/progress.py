@@ -3,10 +3,14 @@
 Why this shape (see docs/operator.md): training pods get no Kubernetes write permission. Each Ray pod
 carries a projected service-account token whose audience names its job
 (`finetune.dev/progress/<ns>/<name>`). The server checks it with a TokenReview for exactly that
-audience, then checks the pod the token is bound to still exists and is labelled with that job.
-A valid token minted for another job gets 403; a missing or forged one 401. Plain HTTP inside the
-cluster network by default (the tokens are short-lived and useless against the API server, and a
-NetworkPolicy in deploy/ admits only job pods); pass --tls-cert/--tls-key for HTTPS.
+audience, then checks the pod the token is bound to still exists and is labelled with that job, and finds
+the FinetuneJob object (UID) the pod belongs to through its owners (Pod -> RayCluster -> RayJob ->
+FinetuneJob). The audience names the job by namespace/name only: a pod of a job deleted and re-created
+under its name holds a token the new job's audience accepts, so a report is bound to that UID and refused
+(409) if the job under the name is another object now. A valid token minted for another job gets 403;
+a missing or forged one 401. Plain HTTP inside the cluster network by default (the tokens are short-lived
+and useless against the API server, and a NetworkPolicy in deploy/ admits only job pods); pass
+--tls-cert/--tls-key for HTTPS.
 
 Updates are coalesced: the latest report per job is kept in memory and written to the status at once
 if the job's last write is at least a flush interval ago, else when it is (per job, leading edge): a
@@ -40,13 +44,15 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 
+from ..api.spec import KIND
 from ..api.status import ProgressReport
 from ..render.config import progress_audience
 from ..render.rayjob import JOB_LABEL
-from .k8s import PODS, Kube
+from .k8s import PODS, RAYCLUSTER, RAYJOB, Kube
 from .metrics import Metrics
 from .progress_guard import Limits, ReviewLimiter, TTLCache, implausible
 
+Obj = dict[str, Any]
 log = logging.getLogger("finetune.progress")
 AUDIENCE_PREFIX = "finetune.dev/progress/"
 MAX_BODY = 64 * 1024
@@ -85,6 +91,28 @@ class Verdict:
     code: int
     message: str
     cluster: str | None = None  # the `ray.io/cluster` label of the pod the token is bound to
+    job_uid: str | None = None  # the UID of the FinetuneJob that pod belongs to (through its owners)
+
+
+def _owner_uid(obj: Obj | None, kind: str) -> str | None:
+    refs = (obj or {}).get("metadata", {}).get("ownerReferences") or []
+    return next((str(r["uid"]) for r in refs if r.get("kind") == kind and r.get("uid")), None)
+
+
+def owning_job_uid(namespace: str, pod: Obj, get: Callable[[tuple[str, str, str], str, str], Obj | None]) -> str | None:
+    """The UID of the FinetuneJob a Ray pod belongs to, following its owners (each checked by UID): Pod ->
+    RayCluster -> RayJob -> FinetuneJob. None if a link is missing (the job's children are being deleted)."""
+    cluster = (pod["metadata"].get("labels") or {}).get("ray.io/cluster")
+    rc = get(RAYCLUSTER, namespace, cluster) if cluster else None
+    if rc is None or rc["metadata"].get("uid") != _owner_uid(pod, "RayCluster"):
+        return None
+    rayjob_uid = _owner_uid(rc, "RayJob")
+    rayjob_name = next((r.get("name") for r in rc["metadata"].get("ownerReferences") or []
+                        if r.get("kind") == "RayJob"), None)
+    rj = get(RAYJOB, namespace, str(rayjob_name)) if rayjob_uid and rayjob_name else None
+    if rj is None or rj["metadata"].get("uid") != rayjob_uid:
+        return None
+    return _owner_uid(rj, KIND)
 
 
 @dataclass
@@ -137,6 +165,7 @@ class ProgressServer:
         current_uid: Callable[[str, str], str | None] = lambda ns, name: None,
         current_version: Callable[[str, str], str | None] = lambda ns, name: None,
         get_pod: Callable[[str, str], dict[str, Any] | None] | None = None,
+        get_owner: Callable[[tuple[str, str, str], str, str], dict[str, Any] | None] | None = None,
         monotonic: Callable[[], float] | None = None,
         jitter: Callable[[], float] = random.random,
         leader_check: Callable[[], bool] | None = None,
@@ -159,6 +188,8 @@ class ProgressServer:
         self.conflicts = 0  # writes that found the job changed since the cache saw it (and were retried)
         # Reads the pod a token is bound to (the operator: from its watch cache; default: a GET).
         self.get_pod = get_pod or (lambda ns, name: self.kube.get(PODS, ns, name))
+        # Reads the pod's RayCluster and RayJob, to find the FinetuneJob UID it belongs to (the operator: its cache).
+        self.get_owner = get_owner or (lambda gvr, ns, name: self.kube.get(gvr, ns, name))
         self._wake: asyncio.Event | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self.auth_cache_seconds = auth_cache_seconds
@@ -233,7 +264,11 @@ class ProgressServer:
         owner = (pod["metadata"].get("labels") or {}).get(JOB_LABEL)
         if owner != name:
             return Verdict(403, f"pod {pod_name} belongs to job {owner!r}, not {name!r}")
-        return Verdict(200, "ok", cluster=(pod["metadata"].get("labels") or {}).get("ray.io/cluster"))
+        job_uid = owning_job_uid(namespace, pod, self.get_owner)
+        if job_uid is None:
+            return Verdict(403, f"pod {pod_name} belongs to no FinetuneJob {namespace}/{name} any more "
+                                "(its RayCluster or RayJob is gone)")
+        return Verdict(200, "ok", cluster=(pod["metadata"].get("labels") or {}).get("ray.io/cluster"), job_uid=job_uid)
 
     # ----------------------------------------------------------------------------------------- HTTP
     async def handle_progress(self, request: web.Request) -> web.Response:
@@ -257,16 +292,22 @@ class ProgressServer:
         except ValidationError as err:
             first = err.errors(include_url=False)[0]
             return self._reply(422, f"{'.'.join(str(p) for p in first['loc'])}: {first['msg']}")
+        current_uid = self.current_uid(ns, name)
+        if verdict.job_uid and current_uid and verdict.job_uid != current_uid:
+            return self._reply(409, f"report from a pod of a previous FinetuneJob {ns}/{name} (uid {verdict.job_uid}); "
+                                    f"the job under that name now is uid {current_uid}: ignored")
         current = self.current_cluster(ns, name)
         if verdict.cluster and current and verdict.cluster != current:
             return self._reply(409, f"report from Ray cluster {verdict.cluster}, an earlier attempt of {ns}/{name}; "
                                     f"the job now runs on {current}: ignored")
-        self.accept(ns, name, report)
+        self.accept(ns, name, report, uid=verdict.job_uid)
         return self._reply(202, "accepted")
 
-    def accept(self, namespace: str, name: str, report: ProgressReport) -> None:
+    def accept(self, namespace: str, name: str, report: ProgressReport, uid: str | None = None) -> None:
+        """`uid`: the FinetuneJob the reporting pod belongs to (the verdict's); the reconciler's otherwise.
+        The write is guarded by it (ObjectReplaced if the object under the name is another one)."""
         p = self.pending.setdefault((namespace, name), _Pending())
-        uid = self.current_uid(namespace, name)
+        uid = uid or self.current_uid(namespace, name)
         if uid and p.uid and uid != p.uid:  # a new object under the name: start afresh
             p = self.pending[(namespace, name)] = _Pending()
         p.uid = p.uid or uid

@@ -47,7 +47,7 @@ from .status import (
     set_condition,
     stuck_creating,
 )
-from .transitions import TERMINAL, RayJobAction, decide, judged, rayjob_held_suspended
+from .transitions import TERMINAL, RayJobAction, decide, judged, rayjob_held_suspended, seconds_until_deadline
 
 Obj = dict[str, Any]
 HASH_ANNOTATION = "finetune.dev/render-hash"
@@ -269,7 +269,10 @@ class Reconciler:
             # never names the current cluster; forgetting its own entry only makes the fence permissive.
             if cluster and self.ray_clusters.get(key) == cluster:
                 del self.ray_clusters[key]
-        elif cluster:
+        elif cluster and self.uids.get(key) and owned_by(rayjob, self.uids[key]):
+            # Only the job's own RayJob names its cluster: a RayJob someone else labelled with the job (a
+            # copy, a previous job's under the name) would fence off the real pods' reports. Before the job's
+            # first reconcile here its UID is unknown: that reconcile records the cluster (below).
             self.ray_clusters[key] = cluster
         if uid and st.get("jobDeploymentStatus") in ("Complete", "Failed", "ValidationFailed"):
             self.final_rayjob_status[uid] = dict(st)
@@ -363,6 +366,8 @@ class Reconciler:
 
         if observed.rayjob is not None:
             cluster_name = (observed.rayjob.get("status") or {}).get("rayClusterName")
+            if cluster_name and not observed.rayjob["metadata"].get("deletionTimestamp"):
+                self.ray_clusters[(namespace, name)] = cluster_name  # the job's own RayJob (created or recorded)
             observed.pods = pods_of(self._list(PODS, namespace, f"{JOB_LABEL}={name}"), observed.rayjob)
             observed.pod_events = self._stuck_pod_events(namespace, name, observed.pods)
             if cluster_name and prev.get("phase") not in TERMINAL:
@@ -391,6 +396,7 @@ class Reconciler:
             now=now,
             policy=policy,
             detect_stalls=bool(self.cfg.progress_url),  # no progress channel: silence means nothing
+            deadline_seconds=job.spec.active_deadline_seconds if job is not None else None,
         )
         new = decision.status
         if decision.action == RayJobAction.resume and job is not None:
@@ -412,6 +418,9 @@ class Reconciler:
         if observed.blocked:
             self.requeue_after(namespace, name, BLOCKED_REQUEUE_SECONDS)
         self._schedule_stall_check(namespace, name, new, now, policy.timeout_seconds if policy else None, observed)
+        deadline_in = seconds_until_deadline(new, now, job.spec.active_deadline_seconds if job is not None else None)
+        if deadline_in is not None:  # row 25: look again when the deadline passes (no event would come then)
+            self._look_again(namespace, name, deadline_in + 1.0)
         return phase
 
     def _stuck_pod_events(self, namespace: str, name: str, pods: list[Obj]) -> dict[str, tuple[str, str]]:
@@ -555,7 +564,8 @@ class Reconciler:
         # in status can never lead to a second, differently named child, so they are recorded by this
         # reconcile's status write, not by a write of their own before anything is created.
         try:
-            desired = render_children(job, self.runtime_files, cfg or self.cfg)
+            # A job keeps the runtime its RayJob was created with (runtime_configmaps.py: Runtimes.files_for).
+            desired = render_children(job, self.runtimes.files_for(ns, rayjob_now, self.runtime_files), cfg or self.cfg)
         except SpecError as err:
             observed.spec_issues = err.issues
             if recorded:

@@ -23,17 +23,23 @@ and creates it again if it is missing; the reconciler verifies before the pods t
 job whose RayJob is not created yet) and whenever one of the job's pods waits in ContainerCreating (a
 missing ConfigMap shows as FailedMount there; the kubelet retries the mount, so the pod then starts). A
 `collect` forgets whatever its listing does not show.
+
+A job keeps the runtime its RayJob was created with for its whole life (the RayJob's `finetune.dev/runtime`
+label records it): an operator upgrade would otherwise re-apply every running RayJob with the new runtime,
+and the next retry or resume would run new code against a checkpoint the old code wrote. The reconciler
+renders such a job from `files_of` its runtime (read back from its ConfigMap, once per digest), and since
+the RayJob keeps its label, `collect` keeps that ConfigMap while the RayJob exists.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
-from ..render.rayjob import JOB_LABEL, RUNTIME_LABEL
-from .k8s import CONFIGMAPS, ApiError, Kube, gvr_of
+from ..render.rayjob import JOB_LABEL, RUNTIME_LABEL, runtime_hash
+from .k8s import CONFIGMAPS, RAYJOB, ApiError, Kube, gvr_of
 
 Obj = dict[str, Any]
 log = logging.getLogger("finetune.runtime")
@@ -50,6 +56,7 @@ class Runtimes:
         self._guard = threading.Lock()
         self.collected = 0
         self.recreated = 0  # runtime ConfigMaps found missing though known, and created again
+        self._files: dict[str, dict[str, str]] = {}  # earlier runtimes read back, by digest (content-addressed)
 
     def _lock(self, namespace: str) -> threading.Lock:
         with self._guard:
@@ -78,6 +85,46 @@ class Runtimes:
                         raise
             self._known.add((ns, name))
             return created
+
+    def files_for(self, namespace: str, rayjob: Obj | None, current: Mapping[str, str]) -> Mapping[str, str]:
+        """The runtime to render a job with: the one its recorded RayJob was created with (its runtime label),
+        for the job's life; `current` (the operator's own) for a job without one yet. Should that runtime be
+        unreadable (its ConfigMap deleted behind the operator's back), the job moves to `current` rather than
+        wait for a mount that can never succeed."""
+        digest = (((rayjob or {}).get("metadata") or {}).get("labels") or {}).get(RUNTIME_LABEL)
+        if rayjob is None or not digest or digest == runtime_hash(current):
+            return current
+        files = self.files_of(namespace, rayjob["metadata"]["name"], digest)
+        if files is None:
+            log.warning("%s: RayJob %s: runtime %s unreadable; rendering the operator's own (%s)", namespace,
+                        rayjob["metadata"]["name"], digest, runtime_hash(current))
+        return files or current
+
+    def files_of(self, namespace: str, rayjob_name: str, digest: str) -> dict[str, str] | None:
+        """The runtime files (path -> source) of runtime `digest`, which the RayJob `rayjob_name` mounts: its
+        paths from the RayJob's runtime volume (ConfigMap keys do not give them back: `__init__.py`), their
+        source from the ConfigMap, checked against the digest. Read once per digest (two GETs); None if either
+        object is gone or they do not make that digest."""
+        with self._guard:
+            hit = self._files.get(digest)
+        if hit is not None:
+            return hit
+        cm_name = f"finetune-runtime-{digest}"  # render.rayjob.runtime_config_map_name
+        rayjob = self.kube.get(RAYJOB, namespace, rayjob_name)
+        head = ((((rayjob or {}).get("spec") or {}).get("rayClusterSpec") or {}).get("headGroupSpec") or {})
+        volumes = ((head.get("template") or {}).get("spec") or {}).get("volumes") or []
+        items = next((v["configMap"].get("items") or [] for v in volumes
+                      if (v.get("configMap") or {}).get("name") == cm_name), [])
+        cm = self.kube.get(CONFIGMAPS, namespace, cm_name) if items else None
+        data = (cm or {}).get("data") or {}
+        files = {str(i["path"]): str(data[i["key"]]) for i in items if i.get("key") in data}
+        if not files or runtime_hash(files) != digest:
+            log.warning("%s: runtime %s of RayJob %s could not be read back (%s)", namespace, digest, rayjob_name,
+                        "its ConfigMap is gone" if items and cm is None else "it does not match its digest")
+            return None
+        with self._guard:
+            self._files[digest] = files
+        return files
 
     def collect(self, namespace: str, jobs: list[Obj], holders: list[Obj], current: str) -> list[str]:
         """Delete the runtime ConfigMaps of `namespace` that nothing needs any more; returns their names.

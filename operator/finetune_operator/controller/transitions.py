@@ -36,14 +36,20 @@ wins ("any": any phase that is not final; "unjudged": no RayJob recorded in stat
 | 20 | Running (stalled)     | stallPolicy Restart, maxRestarts reached                        | Failed       | Failed=True (Stalled: "failed after N restart(s)")                   | release       |
 | 21 | Provisioning (row 11) | RayJob Suspended (KubeRay deleted the Ray cluster)              | Provisioning | Running=False (StallRestart); stallRestartPending cleared            | resume        |
 | 22 | Succeeded, Failed     | anything                                                        | unchanged    | unchanged (a verdict is final; only observedGeneration follows)      |               |
+| 25 | any                   | spec.activeDeadlineSeconds passed since status.startTime        | Failed       | Failed=True (DeadlineExceeded), Running=False (Finished)             | release       |
 
-Rows 1-17, 23 and 24 are `derive_status` (what was observed); 18-22 are `decide` on top of it (the stall policy, the
-restart's resume, final verdicts). KubeRay's reason in row 10 is e.g. DeadlineExceeded
+Rows 1-17, 23 and 24 are `derive_status` (what was observed); 18-22 and 25 are `decide` on top of it (the stall
+policy, the restart's resume, final verdicts, the job's deadline). KubeRay's reason in row 10 is e.g. DeadlineExceeded
 (activeDeadlineSeconds) or AppFailed; BackoffLimitExceeded when retries ran out without one. stallPolicy
 Report stops at row 15. Row 21 also clears the mark without an action when the RayJob is already resumed
 (the resume went out, the status write after it did not). A phase left behind takes its conditions with
 it (Stalled leaves with Running, Blocked with Pending, ...). A reconcile that raises changes no phase: it
 records Reconciled=False (reconcile.py).
+
+Row 25: status.startTime is the job's first start (KubeRay's start of its first attempt, kept: KubeRay sets its
+own anew on every retry and resume and counts activeDeadlineSeconds per attempt), so the deadline holds for
+the job across retries, stall restarts and suspensions (the time suspended counts). It is tried after row 22
+and before rows 18-21 (a job past its deadline is not restarted); the cluster is released as in row 18.
 
 Rows 1, 23 and 24: a job is judged (its spec, its instance-type figures and the allow-list) only while it has no
 RayJob; the figures it was judged against are recorded in status.instance and every later render of it uses
@@ -79,6 +85,7 @@ from .status import (
     Conditions,
     Observed,
     PodTrouble,
+    parse_time,
     report_observations,
     stall_check,
     training_started,
@@ -127,8 +134,10 @@ def decide(
     now: str,
     policy: StallPolicy | None = None,
     detect_stalls: bool = True,
+    deadline_seconds: int | None = None,
 ) -> Decision:
-    """The next status and RayJob action (rows 1-22). `policy` is None when the spec did not parse."""
+    """The next status and RayJob action (rows 1-22, 25). `policy` is None when the spec did not parse;
+    `deadline_seconds`: spec.activeDeadlineSeconds."""
     # The previous status, typed: what it was decides rows 11, 19-22 (the wire dict is what is derived on).
     prior = FinetuneJobStatus.model_validate(prev)
     new = derive_status(generation=generation, suspend=suspend, names=names, prev=prev, observed=observed, now=now,
@@ -137,6 +146,8 @@ def decide(
         # Row 22: finished and cleaned up (no RayJob), or a RayJob suspended to release a failed job's cluster
         # (rows 18, 20), which would otherwise read as Suspended.
         new = {**prev, "observedGeneration": generation}
+    if seconds_until_deadline(new, now, deadline_seconds) == 0:  # row 25
+        return Decision(fail_deadline(new, now, int(deadline_seconds or 0)), RayJobAction.release)
     stalled = any(c["type"] == STALLED and c["status"] == "True" for c in new.get("conditions") or [])
     action = RayJobAction.none
     if stalled and policy is not None and policy.action == StallAction.fail:  # row 18
@@ -230,7 +241,7 @@ def _from_rayjob(status: Obj, conds: Conditions, rj: Obj, observed: Observed, tr
     deploy = rs.get("jobDeploymentStatus") or ""
     job_status = rs.get("jobStatus") or ""
     for key in ("rayClusterName", "jobId", "dashboardURL", "startTime"):
-        if rs.get(key):
+        if rs.get(key) and not (key == "startTime" and status.get(key)):  # the first attempt's start is kept (row 25)
             status[key] = rs[key]
     terminal_failed = deploy in ("Failed", "ValidationFailed") or (deploy == "Complete" and job_status != "SUCCEEDED")
     failed = int(rs.get("failed") or 0)
@@ -350,6 +361,27 @@ def _finish(status: Obj, conds: Conditions, phase: Phase, message: str) -> Obj:
     status["message"] = message
     status["conditions"] = conds.listed()
     return {k: v for k, v in status.items() if v is not None}
+
+
+def seconds_until_deadline(status: Obj, now: str, deadline_seconds: int | None) -> float | None:
+    """Seconds until a job that is not finished passes spec.activeDeadlineSeconds counted from its first start
+    (row 25; 0: passed), None if there is no deadline or the job has not started or is finished."""
+    started, t_now = parse_time(status.get("startTime")), parse_time(now)
+    if not deadline_seconds or started is None or t_now is None or status.get("phase") in TERMINAL:
+        return None
+    return max(0.0, deadline_seconds - (t_now - started).total_seconds())
+
+
+def fail_deadline(status: Obj, now: str, deadline_seconds: int) -> Obj:
+    """Row 25: the job ran past its deadline (over all its attempts); a pending stall restart is dropped."""
+    conds = Conditions(status.get("conditions"), now, status.get("observedGeneration"))
+    message = (f"activeDeadlineSeconds exceeded: {deadline_seconds}s since the job first started at "
+               f"{status.get('startTime')} (attempt {status.get('attempt') or 1}); the Ray cluster is released")
+    conds.set(RUNNING, False, "Finished", "failed past its deadline; the Ray cluster is released")
+    conds.set(FAILED, True, "DeadlineExceeded", message)
+    conds.drop(STALLED, SUSPENDED)
+    return {**_without_pending(status), "phase": Phase.failed.value, "message": message, "completionTime": now,
+            "conditions": conds.listed()}
 
 
 def fail_stalled(status: Obj, now: str, why: str = "failed by spec.stallPolicy.action Fail") -> Obj:
