@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -268,4 +269,7 @@ def test_the_reconciler_enforces_the_deadline_over_attempts(deadline: int, phase
     if phase == "Failed":
         assert next(c for c in status["conditions"] if c["type"] == "Failed")["reason"] == "DeadlineExceeded"
         assert ("patch", "RayJob", "j") in kube.calls and kube.patches[-1]["spec"]["suspend"] is True
-    assert look_in is None or look_in in looks
+    if look_in is not None:
+        # A look at the deadline, or an earlier one already pending (e.g. KubeRay's 300 s; it looks again).
+        pending = rec._creating_checks.get(("ns", "j"))
+        assert look_in in looks or (pending is not None and 0 < pending - time.monotonic() <= look_in), (looks, pending)
