@@ -541,4 +541,4 @@ def test_the_reconciler_reads_the_events_of_stuck_pods_only_and_looks_again_when
     assert kube.asked == ["w-0"]  # w-1 and w-2 are not stuck yet: no Events read for them
     assert looks == [121.0]  # one look, when w-1 would be stuck (60 s in: 180 - 60 + 1)
     rec._stuck_pod_events("ns", "j", pods)
-    assert looks == [121.0]  # already scheduled: no second timer
+    assert looks == [121.0, 121.0]  # asked again: the work queue keeps one timer per job (test_workqueue.py)
