@@ -178,6 +178,16 @@ CASES = [
          (("Running", "False", "StallRestart"),), policy=RESTART, fields={"stallRestartPending": None}),
     Case("failed-is-final", 22, StatusDoc("Failed").condition("Failed", "True", "Stalled", HOUR_AGO),
          rayjob("Suspended", suspend=True), "Failed", (("Failed", "True", "Stalled"),), absent=("Suspended",)),
+    # Row 22: a job Failed as Stalled whose suspend patch never landed is released at each reconcile until it is.
+    Case("stall-failed-release-retried", 22, StatusDoc("Failed").condition("Failed", "True", "Stalled", HOUR_AGO),
+         rayjob("Running", "RUNNING", suspend=False), "Failed", (("Failed", "True", "Stalled"),),
+         action=RayJobAction.release, policy=FAIL),
+    Case("stall-failed-release-retried-no-suspend-field", 22, StatusDoc("Failed").condition("Failed", "True", "Stalled", HOUR_AGO),
+         rayjob("Running", "RUNNING"), "Failed", (("Failed", "True", "Stalled"),), action=RayJobAction.release, policy=None),
+    Case("stall-failed-released", 22, StatusDoc("Failed").condition("Failed", "True", "Stalled", HOUR_AGO),
+         rayjob("Suspending", suspend=True), "Failed", (("Failed", "True", "Stalled"),), policy=FAIL),
+    Case("other-failure-not-released", 22, StatusDoc("Failed").condition("Failed", "True", "RayJobDeleted", HOUR_AGO),
+         rayjob("Running", "RUNNING"), "Failed", (("Failed", "True", "RayJobDeleted"),), policy=FAIL),
     Case("succeeded-is-final", 22, StatusDoc("Succeeded").condition("Complete", "True", "Succeeded", HOUR_AGO),
          Observed(), "Succeeded", (("Complete", "True", "Succeeded"),)),
 ]

@@ -35,7 +35,7 @@ wins ("any": any phase that is not final; "unjudged": no RayJob recorded in stat
 | 19 | Running (stalled)     | stallPolicy Restart, fewer than maxRestarts so far              | Provisioning | Running=False (StallRestart); stallRestarts+1, stallRestartPending   | restart       |
 | 20 | Running (stalled)     | stallPolicy Restart, maxRestarts reached                        | Failed       | Failed=True (Stalled: "failed after N restart(s)")                   | release       |
 | 21 | Provisioning (row 11) | RayJob Suspended (KubeRay deleted the Ray cluster)              | Provisioning | Running=False (StallRestart); stallRestartPending cleared            | resume        |
-| 22 | Succeeded, Failed     | anything                                                        | unchanged    | unchanged (a verdict is final; only observedGeneration follows)      |               |
+| 22 | Succeeded, Failed     | anything                                                        | unchanged    | unchanged (a verdict is final; only observedGeneration follows)      | release if Failed (Stalled) and the RayJob runs unsuspended |
 
 Rows 1-17, 23 and 24 are `derive_status` (what was observed); 18-22 are `decide` on top of it (the stall policy, the
 restart's resume, final verdicts). Row 10's reasons follow KubeRay's (`_KUBERAY_FAILURES`: AppFailed,
@@ -55,7 +55,9 @@ waits in row 23 (on a cluster that scales from zero there is no node to read the
 when the operator's view of the figures refreshes.
 
 RayJob actions, carried out by the reconciler: `release` suspends the RayJob (KubeRay deletes the Ray
-cluster, the GPUs are free); `restart` suspends it too and posts a Warning Event StallRestart; `resume`
+cluster, the GPUs are free), level-based: rows 18 and 20 write Failed before the suspend patch goes out, so
+row 22 asks for it again at every reconcile of a job Failed as Stalled whose RayJob (not finished) is not
+suspended yet, until a patch lands; `restart` suspends it too and posts a Warning Event StallRestart; `resume`
 sets its suspend back to false, before the status without the pending mark is written.
 """
 
@@ -139,6 +141,8 @@ def decide(
         # Row 22: finished and cleaned up (no RayJob), or a RayJob suspended to release a failed job's cluster
         # (rows 18, 20), which would otherwise read as Suspended.
         new = {**prev, "observedGeneration": generation}
+    if prior.phase == Phase.failed and _unreleased(prev, observed.rayjob):  # row 22: the release did not land
+        return Decision(new, RayJobAction.release)
     stalled = any(c["type"] == STALLED and c["status"] == "True" for c in new.get("conditions") or [])
     action = RayJobAction.none
     if stalled and policy is not None and policy.action == StallAction.fail:  # row 18
@@ -159,6 +163,15 @@ def decide(
             # Already resumed (only our resume sets the RayJob's suspend back to false while the mark is pending).
             new = _without_pending(new)
     return Decision(new, action, stalled and action != RayJobAction.release)
+
+
+def _unreleased(prev: Obj, rayjob: Obj | None) -> bool:
+    """A job Failed by a stall (rows 18, 20) whose RayJob still holds its Ray cluster: not suspended, not finished."""
+    failed = next((c for c in prev.get("conditions") or [] if c.get("type") == FAILED), None)
+    if rayjob is None or failed is None or failed.get("reason") != "Stalled":
+        return False
+    return (not (rayjob.get("spec") or {}).get("suspend")
+            and (rayjob.get("status") or {}).get("jobDeploymentStatus") not in _FINAL_DEPLOYMENT)
 
 
 def _without_pending(status: Obj) -> Obj:
