@@ -1,4 +1,7 @@
-"""A stall's Fail releases the Ray cluster level-based (transitions.py rows 18, 20 and 22): the status says
+"""Reconciler.reconcile against a small in-memory API server (the real control plane runs it in
+tests/integration).
+
+A stall's Fail releases the Ray cluster level-based (transitions.py rows 18, 20 and 22): the status says
 Failed before the suspend patch goes out, so a patch that fails is sent again at the next reconcile, and
 at every one after, until the RayJob is suspended. The API server stands in as a small in-memory object
 whose RayJob patch fails once (a fault not provoked for real here: a 500 from the API server)."""
@@ -108,3 +111,22 @@ def test_a_stall_fail_whose_suspend_patch_failed_is_released_at_the_next_reconci
     assert api.objs[(RAYJOB[2], "ns", "j")]["spec"]["suspend"] is True
     assert rec.reconcile("ns", "j") == "Failed"  # released: no more patches
     assert len(api.patches) == 1
+
+
+def test_a_blocked_job_asks_for_backed_off_looks_and_forgets_the_backoff_once_unblocked() -> None:
+    """Blocked (a RayJob of the job's name it does not own) -> requeue_rate_limited, the work queue's per-key
+    exponential backoff (test_workqueue.py); not blocked any more -> requeue_forget."""
+    job = JobDoc("j").set("metadata.namespace", "ns").set("metadata.uid", "ftj-1").set("metadata.generation", 1).obj()
+    foreign = {"apiVersion": "ray.io/v1", "kind": "RayJob", "metadata": {"name": "j", "namespace": "ns", "uid": "x"}}
+    api = Api({(FTJ[2], "ns", "j"): job, (RAYJOB[2], "ns", "j"): foreign}, fail_patches=0)
+    calls: list[tuple[str, str, str]] = []
+    rec = Reconciler(api, RenderConfig(), {}, clock=lambda: NOW)  # type: ignore[arg-type]
+    rec.requeue_rate_limited = lambda ns, name, base: calls.append(("rate-limited", name, str(base)))
+    rec.requeue_forget = lambda ns, name: calls.append(("forget", name, ""))
+    for _ in range(2):
+        assert rec.reconcile("ns", "j") == "Pending"
+    assert calls == [("rate-limited", "j", "10.0")] * 2
+    del api.objs[(RAYJOB[2], "ns", "j")]  # the other RayJob goes
+    calls.clear()
+    rec.reconcile("ns", "j")
+    assert ("forget", "j", "") in calls and not [c for c in calls if c[0] == "rate-limited"]
