@@ -141,7 +141,7 @@ class LeaderElector:
                 log.error("lost the lease to another replica")
             except Exception as err:
                 log.warning("lease renewal failed: %s", err)
-                if self._last_renew and self.monotonic() < self._last_renew + self.lease_seconds - self.renew_seconds:
+                if self._last_renew is not None and self.monotonic() < self._last_renew + self.lease_seconds - self.renew_seconds:
                     continue
             self.is_leader = False
             self._valid_until = 0.0
