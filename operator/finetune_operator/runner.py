@@ -119,6 +119,8 @@ async def run(args: argparse.Namespace) -> int:
     reconciler.kuberay_timeout = args.kuberay_timeout
     queue = WorkQueue(reconciler.reconcile, workers=args.workers)
     reconciler.requeue_after = queue.add_after
+    reconciler.requeue_rate_limited = queue.add_rate_limited
+    reconciler.requeue_forget = queue.forget
     progress = ProgressServer(kube, metrics, on_flushed=queue.add, flush_interval=args.flush_interval,
                               current_cluster=lambda ns, name: reconciler.ray_clusters.get((ns, name)),
                               current_uid=lambda ns, name: reconciler.uids.get((ns, name)),

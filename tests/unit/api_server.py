@@ -37,6 +37,10 @@ class ApiServer:
     def list_objects(self, gvr: Any, namespace: str | None, selector: str | None) -> list[Obj]:
         return [o for (res, _), o in self.objects.items() if res == gvr[2]]
 
+    def list_metadata(self, gvr: Any, namespace: str | None = None, selector: str | None = None,
+                      limit: int = 500) -> list[Obj]:
+        return [{"metadata": o["metadata"]} for o in self.list_objects(gvr, namespace, selector)]
+
     def create(self, gvr: Any, namespace: str | None, body: Obj, kind: str) -> Obj:
         self.calls.append(("create", kind, body["metadata"]["name"]))
         return self._put(gvr, body)

@@ -3,10 +3,14 @@ and what an error answer carries. A plain HTTP listener on 127.0.0.1, not a mock
 
 from __future__ import annotations
 
+import http.server
+import json
 import socket
 import threading
+import urllib.parse
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from finetune_operator.controller.k8s import ApiError, Kube, load_config, parse_retry_after
@@ -96,3 +100,49 @@ def test_an_error_answer_carries_retry_after(tmp_path: Path) -> None:
                          ids=["seconds", "zero", "absent", "negative", "http-date"])
 def test_parse_retry_after(header: str | None, seconds: float | None) -> None:
     assert parse_retry_after(header) == seconds
+
+
+class Pages(http.server.BaseHTTPRequestHandler):
+    """Answers a LIST of ConfigMaps' metadata in two pages, and records each request's path, query and Accept."""
+
+    seen: list[tuple[str, dict[str, list[str]], str]] = []
+
+    def do_GET(self) -> None:  # http.server calls it by this name
+        url = urllib.parse.urlsplit(self.path)
+        query = urllib.parse.parse_qs(url.query)
+        Pages.seen.append((url.path, query, self.headers.get("Accept", "")))
+        last = "continue" in query
+        body = json.dumps({
+            "kind": "PartialObjectMetadataList", "apiVersion": "meta.k8s.io/v1",
+            "metadata": {} if last else {"continue": "page-2"},
+            "items": [{"kind": "PartialObjectMetadata", "apiVersion": "meta.k8s.io/v1",
+                       "metadata": {"name": f"finetune-runtime-{'b' if last else 'a'}", "namespace": "ns-b" if last else "ns-a"}}],
+        }).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+def test_the_startup_clean_up_lists_runtime_configmaps_metadata_only_and_paged(tmp_path: Path) -> None:
+    """It listed every runtime ConfigMap cluster-wide with its data (~225 KB each), in one answer."""
+    from finetune_operator.controller.runtime_configmaps import namespaces_with_runtimes
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Pages)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    Pages.seen = []
+    try:
+        kube = Kube(load_config(_kubeconfig(tmp_path, server.server_address[1])), timeout=5.0)
+        assert namespaces_with_runtimes(kube, None) == {"ns-a", "ns-b"}
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert [(path, q.get("labelSelector"), q.get("limit"), q.get("continue")) for path, q, _ in Pages.seen] == [
+        ("/api/v1/configmaps", ["finetune.dev/runtime"], ["500"], None),
+        ("/api/v1/configmaps", ["finetune.dev/runtime"], ["500"], ["page-2"]),
+    ]
+    assert all(accept == "application/json;as=PartialObjectMetadataList;g=meta.k8s.io;v=v1" for _, _, accept in Pages.seen)

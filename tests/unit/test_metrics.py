@@ -65,6 +65,55 @@ def test_jobs_past_the_cap_get_no_series_and_are_counted_once() -> None:
     assert sample(m, "finetune_jobs_without_series") == 0.0
 
 
+def test_finished_jobs_free_their_slots_so_new_jobs_get_series() -> None:
+    """Once MAX_JOB_SERIES jobs had finished, no new job got series and the stall alerts went blind."""
+    m = Metrics(max_jobs=3, clock=lambda: 1000.0)
+    for name in ("a", "b", "c"):
+        m.set_phase("ml", name, "Running")
+        m.observe_progress("ml", name, {"step": 5}, {"transport": "efa"})
+        m.set_stalled("ml", name, False)
+    m.set_phase("ml", "a", "Failed")
+    m.set_phase("ml", "b", "Succeeded")
+    m.set_stalled("ml", "a", False)  # the reconcile's calls after set_phase, and a late report, take no slot back
+    m.observe_progress("ml", "b", {"step": 6}, None)
+    # Finished: the per-job series are gone, the phase series stay (FinetuneJobFailed reads it).
+    for name in ("a", "b"):
+        assert sample(m, "finetune_job_step", namespace="ml", name=name) is None
+        assert sample(m, "finetune_job_last_progress_timestamp_seconds", namespace="ml", name=name) is None
+        assert sample(m, "finetune_job_stalled", namespace="ml", name=name) is None
+        assert sample(m, "finetune_job_network_transport_info", namespace="ml", name=name, transport="efa") is None
+    assert sample(m, "finetune_job_phase", namespace="ml", name="a", phase="Failed") == 1.0
+    assert sample(m, "finetune_job_phase", namespace="ml", name="b", phase="Succeeded") == 1.0
+    # New jobs get series: the oldest finished job's phase series make room first.
+    m.set_phase("ml", "d", "Running")
+    m.observe_progress("ml", "d", {"step": 1}, None)
+    assert sample(m, "finetune_job_phase", namespace="ml", name="d", phase="Running") == 1.0
+    assert sample(m, "finetune_job_last_progress_timestamp_seconds", namespace="ml", name="d") == 1000.0
+    assert sample(m, "finetune_job_phase", namespace="ml", name="a", phase="Failed") is None
+    assert sample(m, "finetune_job_phase", namespace="ml", name="b", phase="Succeeded") == 1.0
+    m.set_phase("ml", "e", "Provisioning")
+    assert sample(m, "finetune_job_phase", namespace="ml", name="e", phase="Provisioning") == 1.0
+    assert sample(m, "finetune_job_phase", namespace="ml", name="b", phase="Succeeded") is None
+    # All slots held by jobs not finished: the next one waits, counted, and gets series once one finishes.
+    m.set_phase("ml", "f", "Provisioning")
+    assert sample(m, "finetune_job_phase", namespace="ml", name="f", phase="Provisioning") is None
+    assert sample(m, "finetune_jobs_without_series") == 1.0
+    m.set_phase("ml", "c", "Succeeded")
+    m.set_phase("ml", "f", "Running")
+    assert sample(m, "finetune_job_phase", namespace="ml", name="f", phase="Running") == 1.0
+    assert sample(m, "finetune_jobs_without_series") == 0.0
+    assert sample(m, "finetune_jobs", phase="Failed") == 1.0  # the counts by phase keep every job
+
+
+def test_a_deleted_finished_job_frees_its_slot() -> None:
+    m = Metrics(max_jobs=1)
+    m.set_phase("ml", "a", "Failed")
+    m.forget("ml", "a")
+    assert sample(m, "finetune_job_phase", namespace="ml", name="a", phase="Failed") is None
+    m.set_phase("ml", "b", "Running")
+    assert sample(m, "finetune_job_phase", namespace="ml", name="b", phase="Running") == 1.0
+
+
 def test_api_call_counters_are_current_at_every_scrape_not_only_after_a_reconcile() -> None:
     """Lease renewals and progress writes happen outside reconciles: a scrape must show them as they are."""
     import asyncio

@@ -23,8 +23,8 @@ class Recorder:
         self.created: list[str] = []
         self.gets = 0
 
-    def list_objects(self, gvr: Any, namespace: str | None, selector: str | None) -> list[Obj]:
-        return [c for c in self.cms if c["metadata"]["namespace"] == namespace]
+    def list_metadata(self, gvr: Any, namespace: str | None, selector: str | None) -> list[Obj]:
+        return [{"metadata": c["metadata"]} for c in self.cms if c["metadata"]["namespace"] == namespace]
 
     def delete(self, gvr: Any, namespace: str, name: str, kind: str, uid: str | None = None) -> None:
         self.deleted.append((name, uid))

@@ -80,7 +80,48 @@ def test_failure_reasons_are_actionable() -> None:
     assert st["attempt"] == 3
     st = derive(Observed(rayjob=rayjob("ValidationFailed", message="bad spec")))
     assert cond(st, "Failed")["reason"] == "ValidationFailed"
-    assert cond(st, "Failed")["message"] == "bad spec"
+    assert "bad spec" in cond(st, "Failed")["message"]
+
+
+# Every JobFailedReason KubeRay v1.6.1 sets (apis/ray/v1/rayjob_types.go; rayjob_controller.go), as KubeRay
+# writes it: (deployment status, job status, reason, message, status.failed) -> our reason, words the message
+# must carry (what happened, KubeRay's words, what to do).
+FAILURES = [
+    ("app-failed", ("Failed", "FAILED", "AppFailed", "ValueError: boom", 1), "AppFailed",
+     ("the training failed", "ValueError: boom", "kubectl logs job/j")),
+    ("submission-failed", ("Failed", "", "SubmissionFailed", "Job submission has failed. Reason: BackoffLimitExceeded.", 1),
+     "SubmissionFailed", ("could not be submitted", "Job submission has failed", "kubectl logs job/j")),
+    ("deadline", ("Failed", "", "DeadlineExceeded", "The RayJob has passed the activeDeadlineSeconds.", 1),
+     "DeadlineExceeded", ("spec.activeDeadlineSeconds passed", "raise spec.activeDeadlineSeconds")),
+    ("deadline-after-retries", ("Failed", "", "DeadlineExceeded", "passed", 3), "DeadlineExceeded",
+     ("spec.activeDeadlineSeconds passed",)),  # KubeRay never retries a deadline: not BackoffLimitExceeded
+    ("pre-running-deadline", ("Failed", "", "PreRunningDeadlineExceeded", "The RayJob has passed the preRunningDeadlineSeconds.", 1),
+     "PreRunningDeadlineExceeded", ("did not start", "Capacity and PodsHealthy")),
+    ("grace-period", ("Failed", "FAILED", "JobDeploymentStatusTransitionGracePeriodExceeded",
+                      "The RayJob submitter finished at 2026-12-05 10:00:00 but the ray job did not reach terminal state", 1),
+     "RayJobOutcomeUnknown", ("could not establish the Ray job's outcome", "submitter finished", "head pod")),
+    ("validation-failed", ("ValidationFailed", "", "ValidationFailed", "spec.entrypoint is required", 0), "ValidationFailed",
+     ("KubeRay rejected the RayJob", "spec.entrypoint is required", "kubectl get rayjob j -o yaml")),
+    ("retries-exhausted", ("Failed", "FAILED", "AppFailed", "exit 1", 3), "BackoffLimitExceeded",
+     ("all 3 attempts failed", "spec.backoffLimit 2", "the training failed (AppFailed)", "exit 1", "kubectl logs job/j")),
+    ("retries-exhausted-submission", ("Failed", "", "SubmissionFailed", "no dashboard", 2), "BackoffLimitExceeded",
+     ("all 2 attempts failed", "(SubmissionFailed)", "no dashboard")),
+    ("a-later-kuberay-reason", ("Failed", "", "SomethingNew", "why", 1), "SomethingNew", ("SomethingNew", "why")),
+    ("stopped", ("Complete", "STOPPED", "", "", 0), "JobStopped", ("ended with status STOPPED",)),
+]
+
+
+@pytest.mark.parametrize(("rj", "reason", "words"), [f[1:] for f in FAILURES], ids=[f[0] for f in FAILURES])
+def test_each_kuberay_failure_reason_maps_to_ours_with_what_happened_and_what_to_do(
+        rj: tuple[str, str, str, str, int], reason: str, words: tuple[str, ...]) -> None:
+    deploy, job, ray_reason, message, failed = rj
+    st = derive(Observed(rayjob=rayjob(deploy, job, reason=ray_reason, message=message, failed=failed)))
+    assert st["phase"] == "Failed"
+    c = cond(st, "Failed")
+    assert c["reason"] == reason, c
+    for w in words:
+        assert w in c["message"], (w, c["message"])
+    assert st["message"] == c["message"]
 
 
 def test_unschedulable_workers_surface_the_scheduler_message() -> None:
@@ -541,7 +582,7 @@ def test_the_reconciler_reads_the_events_of_stuck_pods_only_and_looks_again_when
     assert kube.asked == ["w-0"]  # w-1 and w-2 are not stuck yet: no Events read for them
     assert looks == [121.0]  # one look, when w-1 would be stuck (60 s in: 180 - 60 + 1)
     rec._stuck_pod_events("ns", "j", pods)
-    assert looks == [121.0]  # already scheduled: no second timer
+    assert looks == [121.0, 121.0]  # asked again: the work queue keeps one timer per job (test_workqueue.py)
 
 
 OWES = [

@@ -8,6 +8,7 @@ import itertools
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 
 from finetune_operator.controller.workqueue import WorkQueue
 
@@ -99,3 +100,70 @@ def test_add_from_a_worker_thread_during_reconcile_requeues_once() -> None:
 
     asyncio.run(main())
     assert seen == ["a", "a"]
+
+
+def _timers_after(calls: Callable[[WorkQueue], None]) -> tuple[WorkQueue, dict[tuple[str, str], float]]:
+    """The pending timers (seconds from now) a fresh queue holds after `calls`; nothing is reconciled."""
+    out: dict[tuple[str, str], float] = {}
+
+    async def main() -> WorkQueue:
+        q = WorkQueue(lambda ns, name: None, workers=1)
+        q.start()
+        calls(q)
+        loop = asyncio.get_running_loop()
+        out.update({k: due - loop.time() for k, (due, _) in q._timers.items()})
+        await q.stop()
+        return q
+
+    return asyncio.run(main()), out
+
+
+def test_one_pending_timer_per_key_and_the_earliest_wins() -> None:
+    """33 requeues of a Blocked job in one period were 33 timers; now they are one, due at the earliest."""
+    def calls(q: WorkQueue) -> None:
+        for _ in range(33):
+            q.add_after("ns", "a", 10.0)
+        q.add_after("ns", "a", 30.0)  # later than the pending one: dropped
+        q.add_after("ns", "a", 4.0)  # earlier: replaces it
+        q.add_after("ns", "b", 7.0)
+
+    _, timers = _timers_after(calls)
+    assert set(timers) == {("ns", "a"), ("ns", "b")}
+    assert 3.0 < timers[("ns", "a")] <= 4.0 and 6.0 < timers[("ns", "b")] <= 7.0
+
+
+def test_a_replaced_timer_never_fires() -> None:
+    seen: list[str] = []
+
+    async def main() -> None:
+        q = WorkQueue(lambda ns, name: seen.append(name), workers=1)
+        q.start()
+        q.add_after("ns", "a", 0.3)
+        q.add_after("ns", "a", 0.05)  # replaces the 0.3 s timer
+        await asyncio.sleep(0.6)  # past both
+        await q.stop()
+
+    asyncio.run(main())
+    assert seen == ["a"]
+
+
+def test_rate_limited_requeues_back_off_exponentially_per_key_and_forget_resets() -> None:
+    def delays(calls: Callable[[WorkQueue], None]) -> float:
+        _, timers = _timers_after(calls)
+        return timers[("ns", "a")]
+
+    def n_requeues(n: int, forget_first: bool = False) -> Callable[[WorkQueue], None]:
+        def calls(q: WorkQueue) -> None:
+            for _ in range(n):
+                q.add_rate_limited("ns", "a", 10.0)
+                q._timers.pop(("ns", "a"))[1].cancel()  # as if it fired: the next one is scheduled afresh
+            q.add_rate_limited("ns", "b", 10.0)  # another key's count is its own
+            if forget_first:
+                q.forget("ns", "a")
+            q.add_rate_limited("ns", "a", 10.0)
+        return calls
+
+    assert 9.0 < delays(n_requeues(0)) <= 10.0
+    assert 39.0 < delays(n_requeues(2)) <= 40.0  # the third in a row: 10 * 2^2
+    assert 299.0 < delays(n_requeues(10)) <= 300.0  # capped (max_requeue_backoff)
+    assert 9.0 < delays(n_requeues(10, forget_first=True)) <= 10.0  # no longer blocked: starts over

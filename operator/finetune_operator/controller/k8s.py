@@ -227,6 +227,26 @@ class Kube:
             item.setdefault("apiVersion", out.get("apiVersion"))
         return items, str((out.get("metadata") or {}).get("resourceVersion") or "")
 
+    def list_metadata(self, gvr: tuple[str, str, str], namespace: str | None = None, selector: str | None = None,
+                      limit: int = 500) -> list[Obj]:
+        """The objects' metadata only (a PartialObjectMetadataList), `limit` per page (`continue`): to find
+        runtime ConfigMaps (~200 KB of data each) without reading their data, nor all of them in one answer."""
+        items: list[Obj] = []
+        token = ""
+        while True:
+            self._read("list", gvr)
+            query: dict[str, Any] = {"limit": limit}
+            if selector:
+                query["labelSelector"] = selector
+            if token:
+                query["continue"] = token
+            out = self.request("GET", _path(gvr, namespace), query=query,
+                               accept="application/json;as=PartialObjectMetadataList;g=meta.k8s.io;v=v1")
+            items.extend(out.get("items") or [])
+            token = str((out.get("metadata") or {}).get("continue") or "")
+            if not token:
+                return items
+
     # ----------------------------------------------------------------------------------------- writes
     def apply(self, obj: Obj) -> Obj:
         """Server-side apply under the operator's field manager."""

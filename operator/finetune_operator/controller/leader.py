@@ -3,6 +3,12 @@
 Optimistic concurrency does the work: acquiring or renewing is a PUT with the resourceVersion that was
 read, so of two replicas racing for an expired lease exactly one wins. A leader that cannot renew
 before its lease expires stops acting (the runner exits and Kubernetes restarts it as a candidate).
+
+Expiry is judged as client-go's leaderelection does (observedRecord/observedTime): never by comparing the
+Lease's renewTime, written by another machine's wall clock, with this one's. A candidate remembers the
+record it last saw (holder, renewTime, resourceVersion) and when it first saw it, on its own monotonic
+clock; the Lease is free only once leaseDurationSeconds of that clock passed without the record changing.
+Clock skew between replicas (or a wall clock stepped by NTP) then cannot make a live Lease look expired.
 """
 
 from __future__ import annotations
@@ -10,7 +16,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from datetime import UTC, datetime, timedelta
+from collections.abc import Callable
+from datetime import UTC, datetime
 from typing import Any
 
 from .k8s import LEASES, PODS, ApiError, Kube
@@ -36,20 +43,10 @@ def _now() -> datetime:
     return datetime.now(UTC)
 
 
-def _parse(ts: str | None) -> datetime | None:
-    if not ts:
-        return None
-    for fmt in (_FMT, "%Y-%m-%dT%H:%M:%SZ"):
-        try:
-            return datetime.strptime(ts, fmt).replace(tzinfo=UTC)
-        except ValueError:
-            continue
-    return None
-
-
 class LeaderElector:
     def __init__(self, kube: Kube, namespace: str, name: str, identity: str,
-                 lease_seconds: int = 30, renew_seconds: float = 10.0, retry_seconds: float = 5.0):
+                 lease_seconds: int = 30, renew_seconds: float = 10.0, retry_seconds: float = 5.0,
+                 wall: Callable[[], datetime] = _now, monotonic: Callable[[], float] = time.monotonic):
         self.kube = kube
         self.namespace = namespace
         self.name = name
@@ -58,14 +55,18 @@ class LeaderElector:
         self.renew_seconds = renew_seconds
         self.retry_seconds = retry_seconds
         self.is_leader = False
-        self._last_renew: datetime | None = None
+        self.wall = wall  # only written into the Lease (renewTime, acquireTime) for people to read
+        self.monotonic = monotonic  # every judgement of time
+        self._last_renew: float | None = None  # monotonic
+        self._observed: tuple[Any, ...] | None = None  # the Lease record last seen: holder, renewTime, resourceVersion
+        self._observed_at = 0.0  # monotonic: when it was first seen
         self._valid_until = 0.0  # monotonic: the lease we hold surely has not expired before this
 
     def may_write(self) -> bool:
         """Fencing: True only while a write started now is sure to finish (the API client's timeout)
         before the lease we last renewed can expire. After a pause (SIGSTOP, a long GC, a frozen VM) this
         turns False at once, before the renewal loop has even noticed: a deposed leader never writes."""
-        return self.is_leader and time.monotonic() + self.kube.timeout < self._valid_until
+        return self.is_leader and self.monotonic() + self.kube.timeout < self._valid_until
 
     def _spec(self, now: datetime, acquired: bool, prev: dict[str, Any]) -> dict[str, Any]:
         stamp = now.strftime(_FMT)
@@ -78,30 +79,39 @@ class LeaderElector:
         }
         return spec
 
+    def _observe(self, lease: dict[str, Any]) -> None:
+        spec = lease.get("spec") or {}
+        record = (spec.get("holderIdentity"), spec.get("renewTime"), (lease.get("metadata") or {}).get("resourceVersion"))
+        if record != self._observed:
+            self._observed, self._observed_at = record, self.monotonic()
+
     def try_acquire_or_renew(self) -> bool:
-        now = _now()
-        started = time.monotonic()  # the lease runs from (no earlier than) when we asked
+        now = self.wall()
+        started = self.monotonic()  # the lease runs from (no earlier than) when we asked
         lease = self.kube.get(LEASES, self.namespace, self.name)
         try:
             if lease is None:
-                self.kube.create(LEASES, self.namespace, {
+                created = self.kube.create(LEASES, self.namespace, {
                     "apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
                     "metadata": {"name": self.name, "namespace": self.namespace},
                     "spec": self._spec(now, True, {}),
                 }, kind="Lease")
-                self._last_renew = now
+                self._observe(created)
+                self._last_renew = started
                 self._valid_until = started + self.lease_seconds
                 return True
+            self._observe(lease)
             spec = lease.get("spec") or {}
             holder = spec.get("holderIdentity")
-            renewed = _parse(spec.get("renewTime"))
             duration = int(spec.get("leaseDurationSeconds") or self.lease_seconds)
-            expired = renewed is None or now > renewed + timedelta(seconds=duration)
+            # Expired only on this replica's own clock: the record has not changed for the lease's duration.
+            expired = self.monotonic() > self._observed_at + duration
             if holder != self.identity and not expired and holder:
                 return False
             lease["spec"] = self._spec(now, holder != self.identity, spec)
-            self.kube.replace(LEASES, self.namespace, self.name, lease, kind="Lease")
-            self._last_renew = now
+            written = self.kube.replace(LEASES, self.namespace, self.name, lease, kind="Lease")
+            self._observe(written)
+            self._last_renew = started
             self._valid_until = started + self.lease_seconds
             return True
         except ApiError as err:
@@ -131,7 +141,7 @@ class LeaderElector:
                 log.error("lost the lease to another replica")
             except Exception as err:
                 log.warning("lease renewal failed: %s", err)
-                if self._last_renew and _now() < self._last_renew + timedelta(seconds=self.lease_seconds - self.renew_seconds):
+                if self._last_renew is not None and self.monotonic() < self._last_renew + self.lease_seconds - self.renew_seconds:
                     continue
             self.is_leader = False
             self._valid_until = 0.0

@@ -1,5 +1,7 @@
-"""Prometheus metrics, prefixed `finetune_`. Per-job series are removed when the job is deleted, and
-bounded: past MAX_JOB_SERIES tracked jobs, new jobs get no per-job series (counted in a metric)."""
+"""Prometheus metrics, prefixed `finetune_`. Per-job series are bounded: past MAX_JOB_SERIES jobs, new jobs get no
+per-job series (counted in a metric). A job's slot is freed when it is deleted, and when it finishes: a
+finished job keeps only its finetune_job_phase series (the FinetuneJobFailed alert reads it), and only until
+a job that is not finished needs the slot (the oldest finished job's series go first)."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from ..api.status import Phase
 
 MAX_JOB_SERIES = 500
+_FINISHED = {Phase.succeeded.value, Phase.failed.value}
 
 
 class Metrics:
@@ -25,7 +28,8 @@ class Metrics:
         self._lock = threading.Lock()
         self._transports: dict[tuple[str, str], str] = {}
         self._phases: dict[tuple[str, str], str] = {}
-        self._tracked: set[tuple[str, str]] = set()
+        self._tracked: set[tuple[str, str]] = set()  # jobs not finished, with series
+        self._finished: dict[tuple[str, str], None] = {}  # finished jobs with their phase series, oldest first
         self._untracked: set[tuple[str, str]] = set()
         self.reconciles = Counter("finetune_reconcile_total", "Reconciles by result.", ["result"], registry=r)
         for result in ("ok", "error"):  # both series exist from the start: rates and alerts see a 0, not nothing
@@ -119,20 +123,50 @@ class Metrics:
                 counts[ph] = counts.get(ph, 0) + 1
         for ph, n in counts.items():
             self.jobs.labels(ph).set(n)
-        if phase is not None and self._track((namespace, name)):
-            for p in Phase:
-                self.job_phase.labels(namespace, name, p.value).set(1.0 if p.value == phase else 0.0)
+        key = (namespace, name)
+        if phase in _FINISHED:
+            if not self._finish(key):
+                return
+        elif phase is None or not self._track(key):
+            return
+        for p in Phase:
+            self.job_phase.labels(namespace, name, p.value).set(1.0 if p.value == phase else 0.0)
+
+    def _finish(self, key: tuple[str, str]) -> bool:
+        """A finished job frees its slot: its per-job series go, its phase series stay (while there is room)."""
+        with self._lock:
+            if key in self._finished:
+                return True
+            had = key in self._tracked
+            self._tracked.discard(key)
+            self._untracked.discard(key)
+            self.untracked.set(len(self._untracked))
+            keep = had or len(self._tracked) + len(self._finished) < self.max_jobs
+            if keep:
+                self._finished[key] = None
+        self._remove_series(key, phase=not keep)
+        return keep
 
     def _track(self, key: tuple[str, str]) -> bool:
+        evicted = None
         with self._lock:
             if key in self._tracked:
                 return True
-            if len(self._tracked) >= self.max_jobs:
-                self._untracked.add(key)
-                self.untracked.set(len(self._untracked))
-                return False
+            if self._phases.get(key) in _FINISHED:
+                return False  # a late report of a finished job: it holds no slot
+            if len(self._tracked) + len(self._finished) >= self.max_jobs:
+                if not self._finished:
+                    self._untracked.add(key)
+                    self.untracked.set(len(self._untracked))
+                    return False
+                evicted = next(iter(self._finished))
+                del self._finished[evicted]
             self._tracked.add(key)
-            return True
+            self._untracked.discard(key)
+            self.untracked.set(len(self._untracked))
+        if evicted is not None:
+            self._remove_series(evicted, phase=True)
+        return True
 
     def observe_progress(self, namespace: str, name: str, training: dict[str, Any] | None, network: dict[str, Any] | None) -> None:
         key = (namespace, name)
@@ -175,8 +209,13 @@ class Metrics:
         self.set_phase(namespace, name, None)
         with self._lock:
             self._tracked.discard(key)
+            self._finished.pop(key, None)
             self._untracked.discard(key)
             self.untracked.set(len(self._untracked))
+        self._remove_series(key, phase=True)
+
+    def _remove_series(self, key: tuple[str, str], phase: bool) -> None:
+        namespace, name = key
         for gauge in self._per_job:
             try:
                 gauge.remove(namespace, name)
@@ -184,10 +223,11 @@ class Metrics:
                 pass
         with self._lock:
             transport = self._transports.pop(key, None)
-        series = [(namespace, name, p.value) for p in Phase]
         if transport is not None:
             self.transport.remove(namespace, name, transport)
-        for labels in series:
+        if not phase:
+            return
+        for labels in [(namespace, name, p.value) for p in Phase]:
             try:
                 self.job_phase.remove(*labels)
             except KeyError:

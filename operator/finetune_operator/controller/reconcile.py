@@ -187,7 +187,12 @@ class Reconciler:
         self.runtime_files = dict(runtime_files)
         self.metrics = metrics or Metrics()
         self.clock = clock
+        # The work queue's timers: one pending per job, the earliest wins (workqueue.py), so a reconcile asks
+        # for every look it needs and keeps no timers of its own. A Blocked job's looks back off
+        # (requeue_rate_limited, BLOCKED_REQUEUE_SECONDS doubling) until it is not blocked (requeue_forget).
         self.requeue_after = requeue_after or (lambda ns, name, delay: None)
+        self.requeue_rate_limited: Callable[[str, str, float], None] = self.requeue_after
+        self.requeue_forget: Callable[[str, str], None] = lambda ns, name: None
         self.phases: dict[tuple[str, str], str] = {}
         # The last terminal status the watch saw per RayJob UID (a DELETED event carries the final state),
         # so a RayJob KubeRay deletes the moment it finishes still decides the outcome.
@@ -195,13 +200,11 @@ class Reconciler:
         self._rayjob_uids: dict[tuple[str, str], set[str]] = {}
         # The RayCluster each job's RayJob runs on now (KubeRay names a new one per retry and after a resume).
         self.ray_clusters: dict[tuple[str, str], str] = {}
-        self._stall_checks: dict[tuple[str, str], float] = {}
         # Silence counts toward a stall only while this process watches (status.stall_check): when it became
         # the leader with its progress endpoint serving (the runner sets it), and the latest report it holds
         # unwritten per job (the runner: the progress server's pending reports).
         self.watching_since: str | None = None
         self.held_report: Callable[[str, str], str | None] = lambda namespace, name: None
-        self._creating_checks: dict[tuple[str, str], float] = {}  # when a pod in ContainerCreating is looked at
         # KubeRay's part (status.kuberay_owes): what each job's RayJob is owed, since when this process saw
         # it so; overdue after `kuberay_timeout` s. `kuberay_incompatible`: the runner's start-up check of the
         # RayJob CRD (kuberay_version.py) found it lacking, said on every job.
@@ -234,8 +237,6 @@ class Reconciler:
         self.phases.pop((namespace, name), None)
         self._settled.pop((namespace, name), None)
         self.uids.pop((namespace, name), None)
-        self._stall_checks.pop((namespace, name), None)
-        self._creating_checks.pop((namespace, name), None)
         self._kuberay_owed.pop((namespace, name), None)
         self.ray_clusters.pop((namespace, name), None)
         for uid in self._rayjob_uids.pop((namespace, name), set()):
@@ -416,7 +417,9 @@ class Reconciler:
         self.metrics.set_phase(namespace, name, phase)
         self.metrics.set_stalled(namespace, name, decision.stalled)
         if observed.blocked:
-            self.requeue_after(namespace, name, BLOCKED_REQUEUE_SECONDS)
+            self.requeue_rate_limited(namespace, name, BLOCKED_REQUEUE_SECONDS)
+        else:
+            self.requeue_forget(namespace, name)
         self._schedule_stall_check(namespace, name, new, now, policy.timeout_seconds if policy else None, observed)
         deadline_in = seconds_until_deadline(new, now, job.spec.active_deadline_seconds if job is not None else None)
         if deadline_in is not None:  # row 25: look again when the deadline passes (no event would come then)
@@ -466,27 +469,16 @@ class Reconciler:
         return trouble
 
     def _look_again(self, namespace: str, name: str, delay: float) -> None:
-        """A reconcile of the job in `delay` seconds, unless one is already due by then."""
-        due = time.monotonic() + delay
-        pending = self._creating_checks.get((namespace, name))
-        if pending is not None and time.monotonic() < pending <= due:
-            return
-        self._creating_checks[(namespace, name)] = due
+        """A reconcile of the job in `delay` seconds, unless one is already due by then (the queue's timer)."""
         self.requeue_after(namespace, name, delay)
 
     def _schedule_stall_check(self, namespace: str, name: str, status: Obj, now: str, timeout: int | None,
                               observed: Observed) -> None:
-        """Look again when the job would turn Stalled if no report arrives (at most one timer per job)."""
+        """Look again when the job would turn Stalled if no report arrives (the queue keeps one timer per job)."""
         left = (seconds_until_stall(status, now, timeout, observed.watching_since, observed.held_report)
                 if self.cfg.progress_url else None)
-        if left is None:
-            return
-        due = time.monotonic() + left
-        pending = self._stall_checks.get((namespace, name))
-        if pending is not None and time.monotonic() < pending <= due:
-            return  # an earlier check is already scheduled; it reschedules itself
-        self._stall_checks[(namespace, name)] = due
-        self.requeue_after(namespace, name, left)
+        if left is not None:
+            self.requeue_after(namespace, name, left)
 
     def _parse(self, body: Obj, prev: Obj, observed: Observed) -> tuple[s.FinetuneJob, RenderConfig]:
         """The job and the render settings for it (transitions.py rows 1, 23, 24).

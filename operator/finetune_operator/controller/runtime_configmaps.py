@@ -144,7 +144,7 @@ class Runtimes:
                 if labels.get(RUNTIME_LABEL):
                     in_use.add(labels[RUNTIME_LABEL])
             deleted = []
-            listed = self.kube.list_objects(CONFIGMAPS, namespace, RUNTIME_LABEL)
+            listed = self.kube.list_metadata(CONFIGMAPS, namespace, RUNTIME_LABEL)  # names, labels, owners: no data
             # What the listing lacks is gone (its namespace deleted and re-created, say): forget it.
             present = {str((cm.get("metadata") or {}).get("name")) for cm in listed}
             self._known -= {(ns, name) for ns, name in self._known if ns == namespace and name not in present}
@@ -169,9 +169,10 @@ class Runtimes:
 def namespaces_with_runtimes(kube: Kube, namespaces: list[str] | None,
                              listing: Callable[..., list[Obj]] | None = None) -> set[str]:
     """Where runtime ConfigMaps exist (cluster-wide, or in the operator's namespaces): collected once after
-    a start, as jobs may have been deleted while no operator ran."""
+    a start, as jobs may have been deleted while no operator ran. Their metadata only, in pages: a listing
+    with data was ~225 KB per ConfigMap, all of them in one answer."""
     found: set[str] = set()
     for ns in namespaces or [None]:  # type: ignore[list-item]
-        for cm in (listing or kube.list_objects)(CONFIGMAPS, ns, RUNTIME_LABEL):
+        for cm in (listing or kube.list_metadata)(CONFIGMAPS, ns, RUNTIME_LABEL):
             found.add(str((cm.get("metadata") or {}).get("namespace") or ""))
     return {ns for ns in found if ns}

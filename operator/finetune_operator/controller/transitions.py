@@ -23,7 +23,7 @@ wins ("any": any phase that is not final; "unjudged": no RayJob recorded in stat
 | 7  | (none), Pending       | no RayJob, spec.suspend                                         | Suspended    | Suspended=True (Suspended)                                           |               |
 | 8  | (none), Pending       | no RayJob yet                                                   | Pending      | (none: it is about to be created)                                    |               |
 | 9  | any                   | RayJob Complete, job SUCCEEDED                                  | Succeeded    | Complete=True (Succeeded), Running=False (Finished)                  |               |
-| 10 | any                   | RayJob Failed, ValidationFailed, or Complete without SUCCEEDED  | Failed       | Failed=True (ValidationFailed, KubeRay's reason, BackoffLimitExceeded, Job<status>) |               |
+| 10 | any                   | RayJob Failed, ValidationFailed, or Complete without SUCCEEDED  | Failed       | Failed=True (`rayjob_failure`: KubeRay's reason mapped, BackoffLimitExceeded, Job<status>) |               |
 | 11 | Provisioning          | a stall restart is pending (row 19), spec.suspend false         | Provisioning | Running=False (StallRestart)                                         |               |
 | 12 | any                   | spec.suspend, or RayJob Suspending, or Suspended and held so    | Suspended    | Suspended=True (Suspending, Suspended), Running=False (Suspended)    |               |
 | 13 | any                   | RayJob Running, the training has not started                    | Provisioning | Running=False (Starting)                                             |               |
@@ -35,12 +35,16 @@ wins ("any": any phase that is not final; "unjudged": no RayJob recorded in stat
 | 19 | Running (stalled)     | stallPolicy Restart, fewer than maxRestarts so far              | Provisioning | Running=False (StallRestart); stallRestarts+1, stallRestartPending   | restart       |
 | 20 | Running (stalled)     | stallPolicy Restart, maxRestarts reached                        | Failed       | Failed=True (Stalled: "failed after N restart(s)")                   | release       |
 | 21 | Provisioning (row 11) | RayJob Suspended (KubeRay deleted the Ray cluster)              | Provisioning | Running=False (StallRestart); stallRestartPending cleared            | resume        |
-| 22 | Succeeded, Failed     | anything                                                        | unchanged    | unchanged (a verdict is final; only observedGeneration follows)      |               |
+| 22 | Succeeded, Failed     | anything                                                        | unchanged    | unchanged (a verdict is final; only observedGeneration follows)      | release if Failed (Stalled, DeadlineExceeded) and the RayJob runs unsuspended |
 | 25 | any                   | spec.activeDeadlineSeconds passed since status.startTime        | Failed       | Failed=True (DeadlineExceeded), Running=False (Finished)             | release       |
 
 Rows 1-17, 23 and 24 are `derive_status` (what was observed); 18-22 and 25 are `decide` on top of it (the stall
-policy, the restart's resume, final verdicts, the job's deadline). KubeRay's reason in row 10 is e.g. DeadlineExceeded
-(activeDeadlineSeconds) or AppFailed; BackoffLimitExceeded when retries ran out without one. stallPolicy
+policy, the restart's resume, final verdicts, the job's deadline). Row 10's reasons follow KubeRay's
+(`_KUBERAY_FAILURES`: AppFailed, SubmissionFailed, DeadlineExceeded, PreRunningDeadlineExceeded, ValidationFailed,
+and RayJobOutcomeUnknown for JobDeploymentStatusTransitionGracePeriodExceeded); BackoffLimitExceeded when the
+failure came after retries (KubeRay always sets a reason, so it is the last attempt's reason that the message
+names). Row 22 releases again while a job failed by the operator (Stalled, row 25's DeadlineExceeded) still has an
+unsuspended RayJob. stallPolicy
 Report stops at row 15. Row 21 also clears the mark without an action when the RayJob is already resumed
 (the resume went out, the status write after it did not). A phase left behind takes its conditions with
 it (Stalled leaves with Running, Blocked with Pending, ...). A reconcile that raises changes no phase: it
@@ -59,7 +63,9 @@ waits in row 23 (on a cluster that scales from zero there is no node to read the
 when the operator's view of the figures refreshes.
 
 RayJob actions, carried out by the reconciler: `release` suspends the RayJob (KubeRay deletes the Ray
-cluster, the GPUs are free); `restart` suspends it too and posts a Warning Event StallRestart; `resume`
+cluster, the GPUs are free), level-based: rows 18 and 20 write Failed before the suspend patch goes out, so
+row 22 asks for it again at every reconcile of a job Failed as Stalled whose RayJob (not finished) is not
+suspended yet, until a patch lands; `restart` suspends it too and posts a Warning Event StallRestart; `resume`
 sets its suspend back to false, before the status without the pending mark is written.
 """
 
@@ -146,6 +152,8 @@ def decide(
         # Row 22: finished and cleaned up (no RayJob), or a RayJob suspended to release a failed job's cluster
         # (rows 18, 20), which would otherwise read as Suspended.
         new = {**prev, "observedGeneration": generation}
+    if prior.phase == Phase.failed and _unreleased(prev, observed.rayjob):  # row 22: the release did not land
+        return Decision(new, RayJobAction.release)
     if seconds_until_deadline(new, now, deadline_seconds) == 0:  # row 25
         return Decision(fail_deadline(new, now, int(deadline_seconds or 0)), RayJobAction.release)
     stalled = any(c["type"] == STALLED and c["status"] == "True" for c in new.get("conditions") or [])
@@ -168,6 +176,16 @@ def decide(
             # Already resumed (only our resume sets the RayJob's suspend back to false while the mark is pending).
             new = _without_pending(new)
     return Decision(new, action, stalled and action != RayJobAction.release)
+
+
+def _unreleased(prev: Obj, rayjob: Obj | None) -> bool:
+    """A job the operator failed (a stall, rows 18, 20; its deadline, row 25) whose RayJob still holds its Ray
+    cluster: not suspended, not finished."""
+    failed = next((c for c in prev.get("conditions") or [] if c.get("type") == FAILED), None)
+    if rayjob is None or failed is None or failed.get("reason") not in ("Stalled", "DeadlineExceeded"):
+        return False
+    return (not (rayjob.get("spec") or {}).get("suspend")
+            and (rayjob.get("status") or {}).get("jobDeploymentStatus") not in _FINAL_DEPLOYMENT)
 
 
 def _without_pending(status: Obj) -> Obj:
@@ -255,18 +273,7 @@ def _from_rayjob(status: Obj, conds: Conditions, rj: Obj, observed: Observed, tr
         return _finish(status, conds, Phase.succeeded, "fine-tuning succeeded")
     if terminal_failed:  # row 10
         status["completionTime"] = rs.get("endTime") or status.get("completionTime") or now
-        ray_reason, ray_message = rs.get("reason") or "", rs.get("message") or ""
-        if deploy == "ValidationFailed":
-            reason = "ValidationFailed"
-        elif ray_reason:
-            reason = ray_reason
-        elif failed > 0 and status["attempt"] > 1:
-            reason = "BackoffLimitExceeded"
-        else:
-            reason = f"Job{job_status.capitalize() or 'Failed'}"
-        message = ray_message or f"RayJob {deploy} (job status {job_status or 'unknown'})"
-        if reason == "DeadlineExceeded":
-            message = f"activeDeadlineSeconds exceeded: {ray_message}".rstrip(": ")
+        reason, message = rayjob_failure(deploy, job_status, rs, str(status["rayJobName"]))
         conds.set(RUNNING, False, "Finished", "the Ray job ended")
         conds.set(FAILED, True, reason, message)
         return _finish(status, conds, Phase.failed, message)
@@ -323,6 +330,62 @@ def _from_rayjob(status: Obj, conds: Conditions, rj: Obj, observed: Observed, tr
         why = observed.capacity.message
     conds.set(RUNNING, False, "Provisioning", why)
     return _finish(status, conds, Phase.provisioning, why)
+
+
+# KubeRay v1.6.1's JobFailedReason values (apis/ray/v1/rayjob_types.go) and where rayjob_controller.go sets
+# them -> (our reason, what happened, what to do). {rj} is the RayJob's name, also its submitter Job's.
+_KUBERAY_FAILURES: dict[str, tuple[str, str, str]] = {
+    # The Ray job ended FAILED (the driver, i.e. the training, raised or exited non-zero), or its submitter
+    # Job failed after the Ray job was seen FAILED, or the head pod was gone (sidecar mode).
+    "AppFailed": ("AppFailed", "the training failed",
+                  "read the driver's log (kubectl logs job/{rj}) and fix the cause, then delete and re-create the FinetuneJob"),
+    # The submitter Job failed before the Ray job ran (dashboard unreachable, submitter image or resources).
+    "SubmissionFailed": ("SubmissionFailed", "the training could not be submitted to the Ray cluster",
+                         "read the submitter's log (kubectl logs job/{rj}) and the Ray head's events; then re-create the job"),
+    # activeDeadlineSeconds passed (KubeRay never retries this one).
+    "DeadlineExceeded": ("DeadlineExceeded", "spec.activeDeadlineSeconds passed",
+                         "raise spec.activeDeadlineSeconds (it counts per attempt, from each start or resume) or "
+                         "shorten the training; the checkpoints are kept"),
+    # preRunningDeadlineSeconds passed before the Ray job ran (the operator does not set it; a webhook might).
+    "PreRunningDeadlineExceeded": ("PreRunningDeadlineExceeded", "the Ray job did not start within the RayJob's "
+                                   "preRunningDeadlineSeconds", "look at the Capacity and PodsHealthy conditions and "
+                                   "the Ray pods' events (GPUs, image pulls), then re-create the job"),
+    # The submitter finished but the Ray job never reached a final state, or it did and KubeRay's own status
+    # did not follow within the grace period: the outcome is not known (the Ray head died, say).
+    "JobDeploymentStatusTransitionGracePeriodExceeded": (
+        "RayJobOutcomeUnknown", "KubeRay could not establish the Ray job's outcome in time",
+        "the Ray head may have died or its dashboard be unreachable: read the head pod's events and log; the "
+        "training resumes from its last checkpoint when the job is re-created"),
+    # KubeRay's validation refused the RayJob the operator rendered (deployment status ValidationFailed).
+    "ValidationFailed": ("ValidationFailed", "KubeRay rejected the RayJob the operator rendered",
+                         "the operator and the installed KubeRay disagree (check their versions); report it with "
+                         "kubectl get rayjob {rj} -o yaml"),
+}
+
+
+def rayjob_failure(deploy: str, job_status: str, rs: Obj, rayjob_name: str) -> tuple[str, str]:
+    """Row 10: (reason, message) of a failed RayJob, from KubeRay's reason (_KUBERAY_FAILURES); an attempt that
+    failed after retries (status.failed > 1, anything but DeadlineExceeded, which KubeRay never retries) is
+    BackoffLimitExceeded, naming the last attempt's reason."""
+    ray_reason = "ValidationFailed" if deploy == "ValidationFailed" else str(rs.get("reason") or "")
+    ray_message = str(rs.get("message") or "").strip()
+    known = _KUBERAY_FAILURES.get(ray_reason)
+    if known is not None:
+        reason, what, todo = known
+    elif ray_reason:  # a reason of a later KubeRay: passed on as it is
+        reason, what, todo = ray_reason, f"KubeRay failed the RayJob ({ray_reason})", "see kubectl describe rayjob {rj}"
+    else:  # none (KubeRay before 1.1, or Complete without SUCCEEDED: the Ray job was STOPPED)
+        reason = f"Job{job_status.capitalize() or 'Failed'}"
+        what = f"the Ray job ended with status {job_status or 'unknown'} (RayJob {deploy})"
+        todo = "see kubectl describe rayjob {rj}"
+    failed = int(rs.get("failed") or 0)
+    if failed > 1 and reason not in ("DeadlineExceeded", "ValidationFailed"):
+        what = f"all {failed} attempts failed (spec.backoffLimit {failed - 1}); the last: {what}"
+        if ray_reason:
+            what += f" ({ray_reason})"
+        reason = "BackoffLimitExceeded"
+    message = f"{what}: {ray_message}" if ray_message else what
+    return reason, f"{message}; {todo.format(rj=rayjob_name)}"[:1000]
 
 
 def _lost(status: Obj, conds: Conditions, prev: Obj, names: dict[str, str], now: str) -> Obj:

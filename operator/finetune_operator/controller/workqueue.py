@@ -5,6 +5,12 @@ Thread safety: `add` and `add_after` may be called from any thread (kopf runs sy
 a thread pool; the progress flusher and the reconciles themselves run in worker threads). The queue's
 state is only ever touched on its event loop: calls from other threads are handed over with
 `call_soon_threadsafe`, so there is no lock and no check-then-act race.
+
+Timers (client-go's delaying queue): a key has at most one pending timer, and the earliest wins: an
+`add_after` due later than the pending one is dropped (the reconcile it brings reschedules what it still
+needs), one due earlier replaces it. Callers need no bookkeeping of their own. `add_rate_limited` is
+client-go's item exponential rate limiter, for a reconcile that asks to be retried while something outside
+it blocks the job: base * 2^n for the key's n-th such requeue in a row, capped; `forget` starts it over.
 """
 
 from __future__ import annotations
@@ -19,14 +25,18 @@ log = logging.getLogger("finetune.queue")
 
 
 class WorkQueue:
-    def __init__(self, work: Callable[[str, str], object], workers: int = 4, max_backoff: float = 60.0):
+    def __init__(self, work: Callable[[str, str], object], workers: int = 4, max_backoff: float = 60.0,
+                 max_requeue_backoff: float = 300.0):
         self.work = work
         self.workers = workers
         self.max_backoff = max_backoff
+        self.max_requeue_backoff = max_requeue_backoff
         self._queue: asyncio.Queue[Key] = asyncio.Queue()
         self._dirty: set[Key] = set()
         self._running: set[Key] = set()
         self._failures: dict[Key, int] = {}
+        self._requeues: dict[Key, int] = {}  # add_rate_limited's count per key, until `forget`
+        self._timers: dict[Key, tuple[float, asyncio.TimerHandle]] = {}  # the one pending timer per key (due, handle)
         self._tasks: list[asyncio.Task[None]] = []
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_thread: int | None = None
@@ -46,6 +56,21 @@ class WorkQueue:
             assert self._loop is not None
             self._loop.call_soon_threadsafe(self._add_after, (namespace, name), delay)
 
+    def add_rate_limited(self, namespace: str, name: str, base: float) -> None:
+        """`add_after` with a delay that doubles at each call for the key (base, 2*base, ...), capped."""
+        self._call(self._add_rate_limited, (namespace, name), base)
+
+    def forget(self, namespace: str, name: str) -> None:
+        """The key's next `add_rate_limited` waits `base` again."""
+        self._call(self._forget, (namespace, name))
+
+    def _call(self, fn: Callable[..., None], *args: object) -> None:
+        if self._on_loop():
+            fn(*args)
+        else:
+            assert self._loop is not None
+            self._loop.call_soon_threadsafe(fn, *args)
+
     def _on_loop(self) -> bool:
         if self._loop is None:  # not started: bind to the caller's running loop
             self._loop = asyncio.get_running_loop()
@@ -62,7 +87,28 @@ class WorkQueue:
 
     def _add_after(self, key: Key, delay: float) -> None:
         assert self._loop is not None
-        self._loop.call_later(delay, self._add, key)
+        if delay <= 0:
+            self._add(key)
+            return
+        due = self._loop.time() + delay
+        pending = self._timers.get(key)
+        if pending is not None:
+            if pending[0] <= due:
+                return  # an earlier (or equal) one is pending: it brings the reconcile that reschedules
+            pending[1].cancel()
+        self._timers[key] = (due, self._loop.call_at(due, self._fire, key))
+
+    def _fire(self, key: Key) -> None:
+        self._timers.pop(key, None)
+        self._add(key)
+
+    def _add_rate_limited(self, key: Key, base: float) -> None:
+        n = self._requeues.get(key, 0)
+        self._requeues[key] = n + 1
+        self._add_after(key, min(self.max_requeue_backoff, base * 2 ** min(n, 30)))
+
+    def _forget(self, key: Key) -> None:
+        self._requeues.pop(key, None)
 
     async def _worker(self) -> None:
         while True:
@@ -88,6 +134,9 @@ class WorkQueue:
         self._tasks = [asyncio.create_task(self._worker()) for _ in range(self.workers)]
 
     async def stop(self) -> None:
+        for _, handle in self._timers.values():
+            handle.cancel()
+        self._timers.clear()
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
