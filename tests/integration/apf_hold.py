@@ -203,11 +203,13 @@ def rejecting(kube: Kube, cluster: Any, namespace: str, name: str, subject: dict
         yield blocker
     finally:
         blocker.stop.set()
-        kubectl(kube, "delete", "validatingwebhookconfiguration", name, "--ignore-not-found")
-        kubectl(kube, "delete", "flowschema", name, f"{name}-blocker", "--ignore-not-found")
-        kubectl(kube, "delete", "prioritylevelconfiguration", name, "--ignore-not-found")
-        webhook.stop()
-        thread.join(timeout=60)
+        try:
+            kubectl(kube, "delete", "validatingwebhookconfiguration", name, "--ignore-not-found")
+            kubectl(kube, "delete", "flowschema", name, f"{name}-blocker", "--ignore-not-found")
+            kubectl(kube, "delete", "prioritylevelconfiguration", name, "--ignore-not-found")
+        finally:
+            webhook.stop()  # a create still held is let through at once, so the blocker's loop ends now
+            thread.join(timeout=60)
 
 
 def _probe_rejected(probe: _Blocker) -> bool:
