@@ -281,3 +281,30 @@ def test_packed_records_on_gpu_ask_for_the_varlen_flash_attention_kernel(monkeyp
     assert attention_implementation(True, True, torch.bfloat16) is None
     monkeypatch.setitem(sys.modules, "flash_attn", types.ModuleType("flash_attn"))
     assert attention_implementation(True, True, torch.bfloat16) == "flash_attention_2"
+
+
+# ------------------------------------------------------------------------------------ too little data
+
+
+def test_fewer_sequences_than_one_global_batch_fails_in_setup(process_group: None, tiny_model_dir: Path,
+                                                              tmp_path: Path) -> None:
+    """Issue 26.5(1): 0 optimizer steps used to export the untouched base model and report done."""
+    import torch
+    from finetune_training.data import DataError
+    from finetune_training.environment import RuntimeEnv
+    from finetune_training.loop import LoopConfig, Trainer
+
+    data = write_jsonl(tmp_path / "d.jsonl", prompt_completion_records(4))  # 3 train + 1 eval records
+    doc = job_doc(tiny_model_dir, data, tmp_path / "store", packing=False, globalBatchSize=4, microBatchSize=2,
+                  epochs=1, maxSteps=None)
+    doc["spec"]["cluster"]["workers"]["replicas"] = 1
+    job = FinetuneJob.model_validate(doc)
+    cfg = LoopConfig(job=doc, storage=str(tmp_path / "store"), storage_uri=str(tmp_path / "store"), run_name="train")
+    trainer = Trainer(job, cfg, rank=0, world=1, local_rank=0, local_world=1, device=torch.device("cpu"),
+                      env=RuntimeEnv())
+    with pytest.raises(DataError, match=r"dataset too small: 3 training sequences, fewer than one global batch of 4 "
+                                        r"\(training.microBatchSize 2 x gradient accumulation 2 x 1 data-parallel "
+                                        r"ranks\); add data or lower training.globalBatchSize"):
+        trainer.setup()
+    trainer.close()
+    assert not (tmp_path / "store" / "final").exists()

@@ -357,6 +357,19 @@ def prepare(spec: DatasetSpec, tokenizer: Any, seq_len: int, packing: bool, seed
 # ------------------------------------------------------------------------------------ batch order
 
 
+def check_enough_sequences(num_sequences: int, micro_batch_size: int, accumulation: int, world: int) -> None:
+    """Fail when the training data holds fewer sequences than one global batch: the run would make 0
+    optimizer steps and export the untouched base model as if it had trained."""
+    global_batch = micro_batch_size * accumulation * world
+    if num_sequences < global_batch:
+        raise DataError(
+            f"dataset too small: {num_sequences} training sequences, fewer than one global batch of "
+            f"{global_batch} (training.microBatchSize {micro_batch_size} x gradient accumulation {accumulation} "
+            f"x {world} data-parallel ranks); add data or lower training.globalBatchSize (with packing, a "
+            "lower training.sequenceLength also makes more sequences)"
+        )
+
+
 def steps_per_epoch(num_sequences: int, global_batch_size: int) -> int:
     return num_sequences // global_batch_size
 

@@ -25,7 +25,15 @@ from finetune_operator.api.spec import FinetuneJob, FinetuneJobSpec
 from finetune_operator.api.status import NetworkHealth, ProgressReport, TrainingProgress
 
 from . import checkpoint as ckpt
-from .data import IGNORE, PreparedData, prepare, step_sequences, steps_per_epoch, truncation_notice
+from .data import (
+    IGNORE,
+    PreparedData,
+    check_enough_sequences,
+    prepare,
+    step_sequences,
+    steps_per_epoch,
+    truncation_notice,
+)
 from .environment import RuntimeEnv
 from .loss import loss_sum, shift_targets
 from .metrics import Throughput, mfu, model_shape, peak_memory_gib
@@ -151,6 +159,8 @@ class Trainer:
         self.data: PreparedData = prepare(self.spec.dataset, self.tokenizer, t.sequence_length, t.packing,
                                           t.seed, cache)
         self.say(f"data: {self.data.stats}")
+        check_enough_sequences(len(self.data.train), t.micro_batch_size, self.spec.gradient_accumulation_steps,
+                               self.world)
         notice = truncation_notice(self.data.stats, t.sequence_length)
         if notice is not None:
             level, text = notice
