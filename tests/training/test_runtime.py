@@ -249,6 +249,20 @@ def test_resume_choice_checks_the_pointed_checkpoint_and_always_scans(tmp_path: 
         ckpt.choose_resume({"step": 9, "uri": str(tmp_path / "gone")}, str(tmp_path / "empty"))
 
 
+def test_resume_choice_runs_once_through_the_agreement(tmp_path: Path) -> None:
+    """The choice is made by whoever `agree` lets decide (rank 0) and that result is every rank's."""
+    run = tmp_path / "checkpoints" / "train"
+    fake_checkpoint(run, 4)
+    decided: list[ckpt.ResumeChoice] = []
+
+    def rank0_says_step_2(decide: Any) -> ckpt.ResumeChoice:  # stands in for broadcast_object_list
+        decided.append(decide())  # rank 0 would see step 4 here; a peer receives what rank 0 sent
+        return ckpt.ResumeChoice(2, str(run / ckpt.checkpoint_name(2)), "rank 0's choice")
+
+    c = ckpt.choose_resume(None, str(run), agree=rank0_says_step_2)
+    assert (c.step, c.why) == (2, "rank 0's choice") and [d.step for d in decided] == [4]
+
+
 # ------------------------------------------------------------------------------------- cpuOffload
 
 
