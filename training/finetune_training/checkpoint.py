@@ -29,6 +29,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .errors import DeterministicError
+
 STATE_FILE = "trainer_state.json"
 POINTER_FILE = "pointer.json"
 CHECKPOINTS_DIR = "checkpoints"
@@ -114,7 +116,7 @@ def missing_files(uri: str) -> list[str]:
     return missing
 
 
-class ResumeError(RuntimeError):
+class ResumeError(DeterministicError, RuntimeError):
     """Ray restored a checkpoint but nothing usable is behind it: refusing to restart at step 0."""
 
 

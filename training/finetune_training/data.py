@@ -37,6 +37,8 @@ from typing import Any
 from finetune_operator.api.spec import DatasetFormat, DatasetSpec
 from finetune_operator.api.storage import is_remote, resolve_in_pod
 
+from .errors import DeterministicError
+
 IGNORE = -100
 TRUNCATION_WARN_FRACTION = 0.02  # warn when more than this share of records lost every trained token
 FILE_SUFFIXES = (".jsonl", ".json", ".parquet")
@@ -50,7 +52,7 @@ FALLBACK_CHAT_TEMPLATE = (  # newlines as expressions: transformers renders with
 log = logging.getLogger("finetune.data")
 
 
-class DataError(ValueError):
+class DataError(DeterministicError, ValueError):
     """A problem with spec.dataset a user can fix."""
 
 

@@ -35,6 +35,7 @@ from .data import (
     truncation_notice,
 )
 from .environment import RuntimeEnv
+from .errors import DeterministicError
 from .loss import loss_sum, shift_targets
 from .metrics import Throughput, mfu, model_shape, peak_memory_gib
 from .progress import ProgressClient
@@ -43,7 +44,7 @@ log = logging.getLogger("finetune.train")
 EVAL_MAX_BATCHES = int(os.environ.get("FINETUNE_EVAL_MAX_BATCHES", "50"))
 
 
-class NonFiniteError(RuntimeError):
+class NonFiniteError(DeterministicError, RuntimeError):
     """The loss or the gradient norm is NaN/inf: the job stops before the optimizer step."""
 
 

@@ -25,13 +25,14 @@ from typing import Any
 
 from finetune_operator.api.storage import is_remote, resolve_in_pod
 
+from .errors import DeterministicError
 
-class StorageError(RuntimeError):
+
+class StorageError(DeterministicError, RuntimeError):
     """A storage URI that cannot be used, for a reason retrying does not change (missing object, prefix or
     bucket, credentials, access, region). The message is one line: `<field>: <uri>: <cause>`.
 
-    Deterministic: a retry policy should fail the job on it rather than restart the workers (the fail-fast
-    mechanism of issue 26 item 5 keys on this type; until then Ray Train retries it like any error).
+    Deterministic: the run fails at once instead of restarting the workers (`failfast`).
     """
 
 
