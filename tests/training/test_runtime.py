@@ -98,6 +98,46 @@ def test_chunked_loss_equals_the_full_logits_loss(process_group: None, tiny_mode
         assert torch.allclose(ga, gb, rtol=1e-4, atol=1e-6), (n, (ga - gb).abs().max())
 
 
+@pytest.mark.parametrize(("vocab", "chunk"), [
+    (151_936, 512),  # Qwen2/2.5: 512 x 152k x 4 B = 0.29 GiB (1024 would be 0.58 GiB)
+    (128_256, 1024),  # Llama 3: 0.49 GiB
+    (32_000, 4096),  # Llama 2 / Mistral: capped at MAX_CHUNK_TOKENS
+    (300, 4096),  # the tiny test model
+    (16_000_000, 16),  # absurd vocabularies still get a usable chunk
+], ids=["qwen2", "llama3", "llama2", "tiny", "floor"])
+def test_loss_chunk_is_sized_by_the_vocabulary(vocab: int, chunk: int) -> None:
+    from finetune_training.loss import CHUNK_LOGITS_BYTES, chunk_tokens
+
+    assert chunk_tokens(vocab) == chunk
+    assert chunk * vocab * 4 <= CHUNK_LOGITS_BYTES or chunk == 16
+
+
+def test_default_chunks_follow_the_vocabulary_and_sum_to_the_plain_loss(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With a 32-position budget for V=300 the default chunking makes 3 chunks of 72 positions (the fixed
+    4096 made one), and the sum and gradients equal the plain cross-entropy."""
+    import torch
+    import torch.nn.functional as F
+    from finetune_training import loss
+    from finetune_training.data import IGNORE
+
+    monkeypatch.setattr(loss, "CHUNK_LOGITS_BYTES", 32 * 300 * 4, raising=False)
+    calls: list[int] = []
+    real = loss._ce_chunk
+    monkeypatch.setattr(loss, "_ce_chunk", lambda h, *a: (calls.append(h.shape[0]), real(h, *a))[1])
+    torch.manual_seed(0)
+    hidden = torch.randn(72, 16, requires_grad=True)
+    weight = torch.randn(300, 16, requires_grad=True)
+    targets = torch.randint(0, 300, (72,))
+    targets[::5] = IGNORE
+    got = loss.chunked_cross_entropy_sum(hidden, weight, None, targets)
+    assert calls == [32, 32, 8], calls
+    (gh, gw) = torch.autograd.grad(got, (hidden, weight))
+    ref = F.cross_entropy(hidden @ weight.T, targets, ignore_index=IGNORE, reduction="sum")
+    (rh, rw) = torch.autograd.grad(ref, (hidden, weight))
+    assert torch.allclose(got, ref, rtol=1e-5), (got, ref)
+    assert torch.allclose(gh, rh, atol=1e-5) and torch.allclose(gw, rw, atol=1e-5)
+
+
 # ----------------------------------------------------------------------------------- non-finite stop
 
 
