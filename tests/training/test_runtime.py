@@ -13,7 +13,7 @@ from finetune_training import checkpoint as ckpt
 from finetune_training import modelio, optim
 from finetune_training.parallel import apply_fsdp, build_mesh
 
-from .conftest import job_doc, prompt_completion_records, records_with_long_prompts, write_jsonl
+from .conftest import export_ready_trainer, job_doc, prompt_completion_records, records_with_long_prompts, write_jsonl
 
 # ------------------------------------------------------------------------------------------ precision
 
@@ -255,6 +255,35 @@ def test_export_keeps_the_generation_config_and_chat_generation_stops(process_gr
     prompt = tok.apply_chat_template(msgs[:1], add_generation_prompt=True, return_tensors="pt", return_dict=True)
     new = reloaded.generate(**prompt, max_new_tokens=20, do_sample=False)[0, prompt["input_ids"].shape[1]:].tolist()
     assert tok.decode(new[:-1]) == "5" and new[-1] == end, tok.decode(new)  # stopped at <|im_end|>
+
+
+def test_export_replaces_the_previous_one_only_when_complete(process_group: None, tiny_model_dir: Path,
+                                                             tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 26.5(6): the export used to delete the previous one first; a failed export left nothing."""
+    store = tmp_path / "store"
+    final = store / "final"
+    final.mkdir(parents=True)
+    (final / "config.json").write_text('{"previous": true}')
+    (final / "stale.bin").write_bytes(b"old")
+    trainer = export_ready_trainer(tiny_model_dir, str(store))
+    real = modelio.export_hf
+
+    def fails_half_way(*args: Any) -> Any:
+        Path(args[3]).mkdir(parents=True, exist_ok=True)
+        (Path(args[3]) / "model.safetensors").write_bytes(b"partial")
+        raise OSError("No space left on device")
+
+    monkeypatch.setattr(modelio, "export_hf", fails_half_way)
+    with pytest.raises(OSError, match="No space left"):
+        trainer.export()
+    assert sorted(p.name for p in final.iterdir()) == ["config.json", "stale.bin"]  # the previous export, intact
+    assert json.loads((final / "config.json").read_text()) == {"previous": True}
+    monkeypatch.setattr(modelio, "export_hf", real)
+    trainer.export()
+    trainer.close()
+    names = sorted(p.name for p in final.iterdir())
+    assert "model.safetensors" in names and "stale.bin" not in names, names
+    assert [p.name for p in store.iterdir()] == ["final"]  # no temporary sibling left
 
 
 # -------------------------------------------------------------------------------------------- resume

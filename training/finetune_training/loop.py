@@ -376,15 +376,11 @@ class Trainer:
         if self.rank == 0:
             dtype = self.compute_dtype if self.compute_dtype != torch.float32 else self.model_config.dtype
             dtype = dtype if isinstance(dtype, torch.dtype) else torch.float32
-            if final.startswith("s3://"):
-                from .storage import upload_dir
+            from .storage import replace_dir
 
-                with tempfile.TemporaryDirectory() as tmp:
-                    export_hf(full, self.model_config, self.tokenizer, tmp, dtype, self.generation_config)
-                    upload_dir(tmp, final)
-            else:
-                shutil.rmtree(final, ignore_errors=True)
-                export_hf(full, self.model_config, self.tokenizer, final, dtype, self.generation_config)
+            # The previous export stays in place until the new one is complete (and S3 keeps no stale file).
+            replace_dir(final, lambda out: export_hf(full, self.model_config, self.tokenizer, out, dtype,
+                                                     self.generation_config))
         dist.barrier()
         uri = f"{self.cfg.storage_uri.rstrip('/')}/final"
         self.say(f"exported Hugging Face model to {uri}")
