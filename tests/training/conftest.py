@@ -131,3 +131,24 @@ def process_group() -> Iterator[None]:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     yield
     dist.destroy_process_group()
+
+
+def export_ready_trainer(model_dir: Path, storage: str) -> Any:
+    """A one-rank `Trainer` holding the tiny model (unsharded) and its tokenizer: enough for `export()`
+    without `setup()` (needs the `process_group` fixture)."""
+    import torch
+    from finetune_operator.api.spec import FinetuneJob, ModelSpec
+    from finetune_training import modelio
+    from finetune_training.environment import RuntimeEnv
+    from finetune_training.loop import LoopConfig, Trainer
+
+    doc = job_doc(model_dir, model_dir / "unused.jsonl", Path("/unused"))
+    doc["spec"]["cluster"]["workers"]["replicas"] = 1
+    cfg = LoopConfig(job=doc, storage=storage, storage_uri=storage, run_name="train")
+    trainer = Trainer(FinetuneJob.model_validate(doc), cfg, rank=0, world=1, local_rank=0, local_world=1,
+                      device=torch.device("cpu"), env=RuntimeEnv())
+    spec = ModelSpec(source=str(model_dir))
+    trainer.model = modelio.load_model(spec, torch.float32)
+    trainer.model_config, trainer.compute_dtype = trainer.model.config, torch.float32
+    trainer.tokenizer, trainer.generation_config = modelio.load_tokenizer(spec), None
+    return trainer

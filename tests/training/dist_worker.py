@@ -105,6 +105,27 @@ def check_uneven_hybrid(rank: int, world: int) -> dict[str, Any]:
     return {"error": None}
 
 
+def check_resume_agreement(rank: int, out: Path) -> dict[str, Any]:
+    """Each rank sees its own listing of the checkpoints (as NFS/EFS caches can show them): rank 1 sees a
+    step 6 that rank 0 does not. Both must resume from rank 0's choice; rank 0's ResumeError reaches both."""
+    from finetune_training import checkpoint as ckpt
+
+    view = out / f"view-rank{rank}"
+    for step in (4, 6) if rank == 1 else (4,):
+        d = view / ckpt.checkpoint_name(step)
+        d.mkdir(parents=True, exist_ok=True)
+        (d / ".metadata").write_text("x")
+        (d / ckpt.STATE_FILE).write_text(json.dumps({"step": step, "world_size": 1}))
+        (d / "__0_0.distcp").write_text("x")
+    choice = ckpt.choose_resume(None, str(view))
+    error = None
+    try:  # Ray restored a checkpoint; rank 0 finds nothing usable, rank 1 would take its step 6
+        ckpt.choose_resume({"step": 9, "uri": str(out / "gone")}, str(view if rank == 1 else out / "empty"))
+    except ckpt.ResumeError as e:
+        error = str(e)
+    return {"step": choice.step, "uri": choice.uri, "error": error}
+
+
 def check_s3_resume(model_dir: str, rank: int, world: int, out: Path) -> dict[str, Any]:
     """Save to the session's S3 server (FINETUNE_TEST_S3_URI, AWS_* inherited), resume: one download per
     node, removed afterwards."""
@@ -162,6 +183,7 @@ def main() -> None:
         "sync_hybrid": lambda: check_gradient_sync(model_dir, rank, world, "hybrid"),
         "sync_none": lambda: check_gradient_sync(model_dir, rank, world, "none"),
         "uneven_hybrid": lambda: check_uneven_hybrid(rank, world),
+        "resume_agreement": lambda: check_resume_agreement(rank, out),
         "s3_resume": lambda: check_s3_resume(model_dir, rank, world, out),
     }
     for name, fn in checks.items():

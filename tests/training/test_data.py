@@ -131,6 +131,32 @@ def test_chat_fallback_template_when_the_tokenizer_has_none(tiny_model_dir: Path
     assert trained_text(tok, ex) == "12 + 11 = 23<|endoftext|>\n"
 
 
+NO_EOS_TEMPLATE = ("{% for m in messages %}{{ '<|' + m['role'] + '|>\\n' + m['content'] + '\\n' }}{% endfor %}"
+                   "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}")
+
+
+def test_chat_template_without_eos_gets_eos_after_each_assistant_turn(
+        tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """Issue 26.5(2): trained on such a template as is, the model never learns to stop."""
+    import logging
+
+    from finetune_operator.api.spec import ModelSpec
+    from finetune_training.modelio import load_tokenizer
+
+    tok = load_tokenizer(ModelSpec(source=str(tiny_model_dir)))
+    tok.chat_template = NO_EOS_TEMPLATE
+    monkeypatch.setattr(D, "_warned_no_turn_end", set(), raising=False)  # warn afresh
+    with caplog.at_level(logging.WARNING, logger="finetune.data"):
+        ex, ex2 = D.encode([{"messages": CHAT}, {"messages": CHAT[:3]}], spec("/x", format="chat"), tok)
+    assert tok.decode(ex.input_ids) == (
+        "<|system|>\nYou add numbers.\n<|user|>\nWhat is 12 plus 11?\n<|assistant|>\n12 + 11 = 23\n<|endoftext|>"
+        "<|user|>\nAnd 30 plus 11?\n<|assistant|>\n30 + 11 = 41\n<|endoftext|>")
+    assert trained_text(tok, ex) == "12 + 11 = 23\n<|endoftext|>30 + 11 = 41\n<|endoftext|>"
+    assert trained_text(tok, ex2) == "12 + 11 = 23\n<|endoftext|>"
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "without EOS or an end-of-turn token; appending EOS" in warnings[0], warnings
+
+
 def test_missing_field_names_the_spec_field(tokenizer: Any) -> None:
     with pytest.raises(D.DataError, match=r"spec.dataset.completionField: record 0 has no field 'completion'"):
         D.encode([{"prompt": "x"}], spec("/x", format="promptCompletion"), tokenizer)

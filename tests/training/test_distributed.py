@@ -1,6 +1,6 @@
 """Two real ranks (gloo, FSDP2 on CPU) for what one rank cannot show: loading the weights once and
-broadcasting them, gradient sync only on the last micro-batch, HSDP with uneven ranks per node, and an
-S3 resume (from the session's S3 server) downloaded once per node. One pair of processes runs every check (tests/training/dist_worker.py).
+broadcasting them, gradient sync only on the last micro-batch, HSDP with uneven ranks per node, the
+resume checkpoint chosen by rank 0 for every rank, and an S3 resume (from the session's S3 server) downloaded once per node. One pair of processes runs every check (tests/training/dist_worker.py).
 """
 
 from __future__ import annotations
@@ -68,6 +68,16 @@ def test_hybrid_with_uneven_ranks_per_node_fails_fast_on_every_rank(results: lis
         err = r["uneven_hybrid"]["error"]
         assert err and err.startswith("training.fsdp.shardingStrategy: hybrid needs the same number of ranks")
         assert "[1, 2]" in err
+
+
+@pytest.mark.timeout(500)
+def test_every_rank_resumes_from_rank_0s_choice(results: list[dict[str, Any]]) -> None:
+    """Issue 26.5(3): ranks that list shared storage independently can pick different checkpoints."""
+    r0, r1 = results[0]["resume_agreement"], results[1]["resume_agreement"]
+    assert r0["step"] == 4 and r0["uri"].endswith("view-rank0/checkpoint-step-00000004")
+    assert r1 == r0, (r0, r1)  # rank 1 saw a step 6 and still takes rank 0's step 4
+    assert r0["error"] and "refusing to restart at step 0" in r0["error"]
+    assert r1["error"] == r0["error"]
 
 
 @pytest.mark.timeout(500)

@@ -13,7 +13,7 @@ from finetune_training import checkpoint as ckpt
 from finetune_training import modelio, optim
 from finetune_training.parallel import apply_fsdp, build_mesh
 
-from .conftest import job_doc, prompt_completion_records, records_with_long_prompts, write_jsonl
+from .conftest import export_ready_trainer, job_doc, prompt_completion_records, records_with_long_prompts, write_jsonl
 
 # ------------------------------------------------------------------------------------------ precision
 
@@ -96,6 +96,46 @@ def test_chunked_loss_equals_the_full_logits_loss(process_group: None, tiny_mode
     for (n, a), (_, b) in zip(models[0].named_parameters(), models[1].named_parameters(), strict=True):
         ga, gb = a.grad.full_tensor(), b.grad.full_tensor()
         assert torch.allclose(ga, gb, rtol=1e-4, atol=1e-6), (n, (ga - gb).abs().max())
+
+
+@pytest.mark.parametrize(("vocab", "chunk"), [
+    (151_936, 512),  # Qwen2/2.5: 512 x 152k x 4 B = 0.29 GiB (1024 would be 0.58 GiB)
+    (128_256, 1024),  # Llama 3: 0.49 GiB
+    (32_000, 4096),  # Llama 2 / Mistral: capped at MAX_CHUNK_TOKENS
+    (300, 4096),  # the tiny test model
+    (16_000_000, 16),  # absurd vocabularies still get a usable chunk
+], ids=["qwen2", "llama3", "llama2", "tiny", "floor"])
+def test_loss_chunk_is_sized_by_the_vocabulary(vocab: int, chunk: int) -> None:
+    from finetune_training.loss import CHUNK_LOGITS_BYTES, chunk_tokens
+
+    assert chunk_tokens(vocab) == chunk
+    assert chunk * vocab * 4 <= CHUNK_LOGITS_BYTES or chunk == 16
+
+
+def test_default_chunks_follow_the_vocabulary_and_sum_to_the_plain_loss(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With a 32-position budget for V=300 the default chunking makes 3 chunks of 72 positions (the fixed
+    4096 made one), and the sum and gradients equal the plain cross-entropy."""
+    import torch
+    import torch.nn.functional as F
+    from finetune_training import loss
+    from finetune_training.data import IGNORE
+
+    monkeypatch.setattr(loss, "CHUNK_LOGITS_BYTES", 32 * 300 * 4, raising=False)
+    calls: list[int] = []
+    real = loss._ce_chunk
+    monkeypatch.setattr(loss, "_ce_chunk", lambda h, *a: (calls.append(h.shape[0]), real(h, *a))[1])
+    torch.manual_seed(0)
+    hidden = torch.randn(72, 16, requires_grad=True)
+    weight = torch.randn(300, 16, requires_grad=True)
+    targets = torch.randint(0, 300, (72,))
+    targets[::5] = IGNORE
+    got = loss.chunked_cross_entropy_sum(hidden, weight, None, targets)
+    assert calls == [32, 32, 8], calls
+    (gh, gw) = torch.autograd.grad(got, (hidden, weight))
+    ref = F.cross_entropy(hidden @ weight.T, targets, ignore_index=IGNORE, reduction="sum")
+    (rh, rw) = torch.autograd.grad(ref, (hidden, weight))
+    assert torch.allclose(got, ref, rtol=1e-5), (got, ref)
+    assert torch.allclose(gh, rh, atol=1e-5) and torch.allclose(gw, rw, atol=1e-5)
 
 
 # ----------------------------------------------------------------------------------- non-finite stop
@@ -217,6 +257,35 @@ def test_export_keeps_the_generation_config_and_chat_generation_stops(process_gr
     assert tok.decode(new[:-1]) == "5" and new[-1] == end, tok.decode(new)  # stopped at <|im_end|>
 
 
+def test_export_replaces_the_previous_one_only_when_complete(process_group: None, tiny_model_dir: Path,
+                                                             tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 26.5(6): the export used to delete the previous one first; a failed export left nothing."""
+    store = tmp_path / "store"
+    final = store / "final"
+    final.mkdir(parents=True)
+    (final / "config.json").write_text('{"previous": true}')
+    (final / "stale.bin").write_bytes(b"old")
+    trainer = export_ready_trainer(tiny_model_dir, str(store))
+    real = modelio.export_hf
+
+    def fails_half_way(*args: Any) -> Any:
+        Path(args[3]).mkdir(parents=True, exist_ok=True)
+        (Path(args[3]) / "model.safetensors").write_bytes(b"partial")
+        raise OSError("No space left on device")
+
+    monkeypatch.setattr(modelio, "export_hf", fails_half_way)
+    with pytest.raises(OSError, match="No space left"):
+        trainer.export()
+    assert sorted(p.name for p in final.iterdir()) == ["config.json", "stale.bin"]  # the previous export, intact
+    assert json.loads((final / "config.json").read_text()) == {"previous": True}
+    monkeypatch.setattr(modelio, "export_hf", real)
+    trainer.export()
+    trainer.close()
+    names = sorted(p.name for p in final.iterdir())
+    assert "model.safetensors" in names and "stale.bin" not in names, names
+    assert [p.name for p in store.iterdir()] == ["final"]  # no temporary sibling left
+
+
 # -------------------------------------------------------------------------------------------- resume
 
 
@@ -247,6 +316,20 @@ def test_resume_choice_checks_the_pointed_checkpoint_and_always_scans(tmp_path: 
     # Ray restored a checkpoint, but nothing usable exists: an error, never a silent step 0.
     with pytest.raises(ckpt.ResumeError, match="refusing to restart at step 0"):
         ckpt.choose_resume({"step": 9, "uri": str(tmp_path / "gone")}, str(tmp_path / "empty"))
+
+
+def test_resume_choice_runs_once_through_the_agreement(tmp_path: Path) -> None:
+    """The choice is made by whoever `agree` lets decide (rank 0) and that result is every rank's."""
+    run = tmp_path / "checkpoints" / "train"
+    fake_checkpoint(run, 4)
+    decided: list[ckpt.ResumeChoice] = []
+
+    def rank0_says_step_2(decide: Any) -> ckpt.ResumeChoice:  # stands in for broadcast_object_list
+        decided.append(decide())  # rank 0 would see step 4 here; a peer receives what rank 0 sent
+        return ckpt.ResumeChoice(2, str(run / ckpt.checkpoint_name(2)), "rank 0's choice")
+
+    c = ckpt.choose_resume(None, str(run), agree=rank0_says_step_2)
+    assert (c.step, c.why) == (2, "rank 0's choice") and [d.step for d in decided] == [4]
 
 
 # ------------------------------------------------------------------------------------- cpuOffload
@@ -281,3 +364,30 @@ def test_packed_records_on_gpu_ask_for_the_varlen_flash_attention_kernel(monkeyp
     assert attention_implementation(True, True, torch.bfloat16) is None
     monkeypatch.setitem(sys.modules, "flash_attn", types.ModuleType("flash_attn"))
     assert attention_implementation(True, True, torch.bfloat16) == "flash_attention_2"
+
+
+# ------------------------------------------------------------------------------------ too little data
+
+
+def test_fewer_sequences_than_one_global_batch_fails_in_setup(process_group: None, tiny_model_dir: Path,
+                                                              tmp_path: Path) -> None:
+    """Issue 26.5(1): 0 optimizer steps used to export the untouched base model and report done."""
+    import torch
+    from finetune_training.data import DataError
+    from finetune_training.environment import RuntimeEnv
+    from finetune_training.loop import LoopConfig, Trainer
+
+    data = write_jsonl(tmp_path / "d.jsonl", prompt_completion_records(4))  # 3 train + 1 eval records
+    doc = job_doc(tiny_model_dir, data, tmp_path / "store", packing=False, globalBatchSize=4, microBatchSize=2,
+                  epochs=1, maxSteps=None)
+    doc["spec"]["cluster"]["workers"]["replicas"] = 1
+    job = FinetuneJob.model_validate(doc)
+    cfg = LoopConfig(job=doc, storage=str(tmp_path / "store"), storage_uri=str(tmp_path / "store"), run_name="train")
+    trainer = Trainer(job, cfg, rank=0, world=1, local_rank=0, local_world=1, device=torch.device("cpu"),
+                      env=RuntimeEnv())
+    with pytest.raises(DataError, match=r"dataset too small: 3 training sequences, fewer than one global batch of 4 "
+                                        r"\(training.microBatchSize 2 x gradient accumulation 2 x 1 data-parallel "
+                                        r"ranks\); add data or lower training.globalBatchSize"):
+        trainer.setup()
+    trainer.close()
+    assert not (tmp_path / "store" / "final").exists()

@@ -17,7 +17,7 @@ from finetune_training import modelio, optim, storage
 from finetune_training.parallel import apply_fsdp, build_mesh
 
 from ..conftest import S3Bucket
-from .conftest import prompt_completion_records, write_jsonl
+from .conftest import export_ready_trainer, prompt_completion_records, write_jsonl
 
 
 def dataset(source: str) -> DatasetSpec:
@@ -197,3 +197,19 @@ def test_export_upload_to_s3(s3: S3Bucket, tmp_path: Path) -> None:
     uri = s3.uri("store/final")
     storage.upload_dir(tmp_path / "final", uri)
     assert s3.keys(uri) == ["config.json", "sub/x.bin"]
+
+
+def test_export_to_s3_leaves_no_file_of_the_previous_export(process_group: None, s3: S3Bucket, tmp_path: Path,
+                                                            tiny_model_dir: Path) -> None:
+    """Issue 26.5(6): uploading over the previous export kept its files the new one lacks."""
+    store = s3.uri("store")
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / "config.json").write_text("{}")
+    (tmp_path / "old" / "pytorch_model-00001-of-00002.bin").write_bytes(b"old shard")
+    s3.put(f"{store}/final", tmp_path / "old")
+    trainer = export_ready_trainer(tiny_model_dir, store)
+    trainer.export()
+    trainer.close()
+    keys = s3.keys(f"{store}/final")
+    assert "model.safetensors" in keys and "config.json" in keys, keys
+    assert "pytorch_model-00001-of-00002.bin" not in keys, keys

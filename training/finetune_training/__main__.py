@@ -58,7 +58,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         result = trainer.fit()
     except Exception as e:
-        print(status_yaml(summary(Phase.failed, f"{type(e).__name__}: {e}"[:2000], None)), flush=True)
+        from .failfast import failure_message
+
+        print(status_yaml(summary(Phase.failed, failure_message(e)[:2000], None)), flush=True)
         return 1
     print(status_yaml(summary(Phase.succeeded, f"exported to {storage.rstrip('/')}/final", result.metrics)),
           flush=True)

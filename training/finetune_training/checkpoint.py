@@ -24,9 +24,12 @@ from __future__ import annotations
 import json
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from .errors import DeterministicError
 
 STATE_FILE = "trainer_state.json"
 POINTER_FILE = "pointer.json"
@@ -113,7 +116,7 @@ def missing_files(uri: str) -> list[str]:
     return missing
 
 
-class ResumeError(RuntimeError):
+class ResumeError(DeterministicError, RuntimeError):
     """Ray restored a checkpoint but nothing usable is behind it: refusing to restart at step 0."""
 
 
@@ -124,7 +127,44 @@ class ResumeChoice:
     why: str
 
 
-def choose_resume(pointer: dict[str, Any] | None, checkpoints_uri: str) -> ResumeChoice:
+def choose_resume(pointer: dict[str, Any] | None, checkpoints_uri: str,
+                  agree: Callable[[Callable[[], ResumeChoice]], ResumeChoice] | None = None) -> ResumeChoice:
+    """The checkpoint every rank resumes from: rank 0 chooses (`_choose`), the others take its choice.
+
+    Ranks listing shared storage independently can disagree (NFS/EFS attribute and directory caches show
+    one rank a checkpoint another does not see yet), and ranks loading different checkpoints is silent
+    corruption. `agree` runs the choice once and hands it to every rank (default: `broadcast_from_rank0`;
+    a single process just chooses). A ResumeError on rank 0 is raised on every rank.
+    """
+    return (agree or broadcast_from_rank0)(lambda: _choose(pointer, checkpoints_uri))
+
+
+def broadcast_from_rank0(decide: Callable[[], ResumeChoice]) -> ResumeChoice:
+    """`decide()` on rank 0 and its result on every rank (`broadcast_object_list`) when a process group of
+    more than one rank is up; otherwise just `decide()`. Rank 0's exception reaches every rank."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return decide()
+    box: list[Any] = [None]
+    error: Exception | None = None
+    if dist.get_rank() == 0:
+        try:
+            box[0] = ("ok", decide())
+        except Exception as e:  # sent on, so the other ranks raise instead of waiting in the broadcast
+            error = e
+            box[0] = ("error", f"{type(e).__name__}: {e}" if not isinstance(e, ResumeError) else str(e))
+    dist.broadcast_object_list(box, src=0)
+    if error is not None:
+        raise error
+    kind, value = box[0]
+    if kind == "error":
+        raise ResumeError(value if value.startswith("cannot resume") else f"cannot resume: rank 0: {value}")
+    assert isinstance(value, ResumeChoice)
+    return value
+
+
+def _choose(pointer: dict[str, Any] | None, checkpoints_uri: str) -> ResumeChoice:
     """Pick the checkpoint to resume from: the newer of Ray's (if its checkpoint is complete) and the
     newest complete one found by always scanning `checkpoints_uri`; `why` says which and why.
 

@@ -8,7 +8,9 @@ Formats (spec.dataset.format):
   for message i are those of `render(messages[:i+1])` beyond `render(messages[:i], add_generation_prompt)`
   for assistant turns, so the "assistant" header itself is masked. A tokenizer without a template
   gets `FALLBACK_CHAT_TEMPLATE` (`<|role|>\\ncontent\\n`, EOS after assistant turns), which is also saved
-  with the exported tokenizer so inference sees the same layout.
+  with the exported tokenizer so inference sees the same layout. A template that ends assistant turns
+  without EOS or an end-of-turn token gets EOS appended to each assistant turn (input and label, one
+  warning), or the fine-tuned model would never stop.
 
 Packing (spec.training.packing, default on) concatenates records and cuts full sequences of
 `sequenceLength` tokens (the last partial sequence is dropped unless it is the only one). Each packed
@@ -35,6 +37,8 @@ from typing import Any
 from finetune_operator.api.spec import DatasetFormat, DatasetSpec
 from finetune_operator.api.storage import is_remote, resolve_in_pod
 
+from .errors import DeterministicError
+
 IGNORE = -100
 TRUNCATION_WARN_FRACTION = 0.02  # warn when more than this share of records lost every trained token
 FILE_SUFFIXES = (".jsonl", ".json", ".parquet")
@@ -45,7 +49,10 @@ FALLBACK_CHAT_TEMPLATE = (  # newlines as expressions: transformers renders with
 )
 
 
-class DataError(ValueError):
+log = logging.getLogger("finetune.data")
+
+
+class DataError(DeterministicError, ValueError):
     """A problem with spec.dataset a user can fix."""
 
 
@@ -171,31 +178,65 @@ def _chat_ids(tokenizer: Any, messages: list[dict[str, str]], generation_prompt:
     return list(out)
 
 
-def encode_chat(tokenizer: Any, messages: list[dict[str, str]]) -> Example:
+def turn_end_ids(tokenizer: Any) -> set[int]:
+    """Token ids that end an assistant turn: EOS and the template's end-of-turn token (`<|im_end|>`, …)."""
+    from .modelio import end_of_turn_id
+
+    ids = {tokenizer.eos_token_id, end_of_turn_id(tokenizer)}
+    return {int(i) for i in ids if i is not None}
+
+
+_warned_no_turn_end: set[str] = set()
+
+
+def encode_chat(tokenizer: Any, messages: list[dict[str, str]], turn_ends: set[int] | None = None) -> Example:
+    """Token ids and labels of one conversation; only assistant turns are trained.
+
+    An assistant turn the template ends without EOS or an end-of-turn token gets EOS appended (input and
+    label): trained on the template as is, the model would never learn to stop. Warned once per template.
+    """
+    ends = turn_ends if turn_ends is not None else turn_end_ids(tokenizer)
+    rendered: list[int] = []  # the template's own rendering so far (without the EOS added here)
     ids: list[int] = []
     labels: list[int] = []
     for i, msg in enumerate(messages):
         assistant = msg.get("role") == "assistant"
         prefix = _chat_ids(tokenizer, messages[:i], generation_prompt=assistant)
         full = _chat_ids(tokenizer, messages[: i + 1], generation_prompt=False)
-        if full[: len(ids)] != ids:
+        if full[: len(rendered)] != rendered:
             raise DataError("spec.dataset.format chat: the chat template is not prefix-stable; cannot mask turns")
         if assistant:
             if full[: len(prefix)] != prefix:
                 raise DataError("spec.dataset.format chat: the chat template's generation prompt is not a prefix")
-            labels.extend([IGNORE] * (len(prefix) - len(ids)))
-            labels.extend(full[len(prefix) :])
+            header, turn = prefix[len(rendered) :], full[len(prefix) :]
+            ids.extend(header)
+            labels.extend([IGNORE] * len(header))
+            ids.extend(turn)
+            labels.extend(turn)
+            if not ends.intersection(turn) and tokenizer.eos_token_id is not None:
+                ids.append(tokenizer.eos_token_id)
+                labels.append(tokenizer.eos_token_id)
+                template = str(getattr(tokenizer, "chat_template", ""))
+                if template not in _warned_no_turn_end:
+                    _warned_no_turn_end.add(template)
+                    log.warning("the chat template ends assistant turns without EOS or an end-of-turn token; "
+                                "appending EOS (%r) to each assistant turn so the model learns to stop",
+                                tokenizer.eos_token)
         else:
-            labels.extend([IGNORE] * (len(full) - len(ids)))
-        ids = full
+            new = full[len(rendered) :]
+            ids.extend(new)
+            labels.extend([IGNORE] * len(new))
+        rendered = full
     return Example(ids, labels)
 
 
 def encode(records: list[dict[str, Any]], spec: DatasetSpec, tokenizer: Any) -> list[Example]:
     eos = tokenizer.eos_token_id
     out: list[Example] = []
+    turn_ends: set[int] = set()
     if spec.format == DatasetFormat.chat:
         ensure_chat_template(tokenizer)
+        turn_ends = turn_end_ids(tokenizer)
     for n, rec in enumerate(records):
         if spec.format == DatasetFormat.text:
             ids = _bos(tokenizer) + _encode(tokenizer, str(_field(rec, spec.text_field, n, "textField"))) + [eos]
@@ -208,7 +249,7 @@ def encode(records: list[dict[str, Any]], spec: DatasetSpec, tokenizer: Any) -> 
             msgs = _field(rec, spec.messages_field, n, "messagesField")
             if not isinstance(msgs, list) or not all(isinstance(m, dict) and "role" in m for m in msgs):
                 raise DataError(f"spec.dataset.messagesField: record {n} is not a list of {{role, content}}")
-            out.append(encode_chat(tokenizer, msgs))
+            out.append(encode_chat(tokenizer, msgs, turn_ends))
     return out
 
 
@@ -355,6 +396,19 @@ def prepare(spec: DatasetSpec, tokenizer: Any, seq_len: int, packing: bool, seed
 
 
 # ------------------------------------------------------------------------------------ batch order
+
+
+def check_enough_sequences(num_sequences: int, micro_batch_size: int, accumulation: int, world: int) -> None:
+    """Fail when the training data holds fewer sequences than one global batch: the run would make 0
+    optimizer steps and export the untouched base model as if it had trained."""
+    global_batch = micro_batch_size * accumulation * world
+    if num_sequences < global_batch:
+        raise DataError(
+            f"dataset too small: {num_sequences} training sequences, fewer than one global batch of "
+            f"{global_batch} (training.microBatchSize {micro_batch_size} x gradient accumulation {accumulation} "
+            f"x {world} data-parallel ranks); add data or lower training.globalBatchSize (with packing, a "
+            "lower training.sequenceLength also makes more sequences)"
+        )
 
 
 def steps_per_epoch(num_sequences: int, global_batch_size: int) -> int:

@@ -25,8 +25,17 @@ from finetune_operator.api.spec import FinetuneJob, FinetuneJobSpec
 from finetune_operator.api.status import NetworkHealth, ProgressReport, TrainingProgress
 
 from . import checkpoint as ckpt
-from .data import IGNORE, PreparedData, prepare, step_sequences, steps_per_epoch, truncation_notice
+from .data import (
+    IGNORE,
+    PreparedData,
+    check_enough_sequences,
+    prepare,
+    step_sequences,
+    steps_per_epoch,
+    truncation_notice,
+)
 from .environment import RuntimeEnv
+from .errors import DeterministicError
 from .loss import loss_sum, shift_targets
 from .metrics import Throughput, mfu, model_shape, peak_memory_gib
 from .progress import ProgressClient
@@ -35,7 +44,7 @@ log = logging.getLogger("finetune.train")
 EVAL_MAX_BATCHES = int(os.environ.get("FINETUNE_EVAL_MAX_BATCHES", "50"))
 
 
-class NonFiniteError(RuntimeError):
+class NonFiniteError(DeterministicError, RuntimeError):
     """The loss or the gradient norm is NaN/inf: the job stops before the optimizer step."""
 
 
@@ -151,6 +160,8 @@ class Trainer:
         self.data: PreparedData = prepare(self.spec.dataset, self.tokenizer, t.sequence_length, t.packing,
                                           t.seed, cache)
         self.say(f"data: {self.data.stats}")
+        check_enough_sequences(len(self.data.train), t.micro_batch_size, self.spec.gradient_accumulation_steps,
+                               self.world)
         notice = truncation_notice(self.data.stats, t.sequence_length)
         if notice is not None:
             level, text = notice
@@ -365,15 +376,11 @@ class Trainer:
         if self.rank == 0:
             dtype = self.compute_dtype if self.compute_dtype != torch.float32 else self.model_config.dtype
             dtype = dtype if isinstance(dtype, torch.dtype) else torch.float32
-            if final.startswith("s3://"):
-                from .storage import upload_dir
+            from .storage import replace_dir
 
-                with tempfile.TemporaryDirectory() as tmp:
-                    export_hf(full, self.model_config, self.tokenizer, tmp, dtype, self.generation_config)
-                    upload_dir(tmp, final)
-            else:
-                shutil.rmtree(final, ignore_errors=True)
-                export_hf(full, self.model_config, self.tokenizer, final, dtype, self.generation_config)
+            # The previous export stays in place until the new one is complete (and S3 keeps no stale file).
+            replace_dir(final, lambda out: export_hf(full, self.model_config, self.tokenizer, out, dtype,
+                                                     self.generation_config))
         dist.barrier()
         uri = f"{self.cfg.storage_uri.rstrip('/')}/final"
         self.say(f"exported Hugging Face model to {uri}")

@@ -2,9 +2,11 @@
 
 `targets` are the labels shifted left by one (`targets[t] = labels[t+1]`, the last position ignored), so
 the logits are never sliced (a slice of a `[micro·T, vocab]` tensor is a copy). The LM head and the
-cross-entropy run over chunks of `CHUNK_TOKENS` positions, each under non-reentrant activation
+cross-entropy run over chunks of `chunk_tokens(vocab)` positions, each under non-reentrant activation
 checkpointing: at most one chunk's fp32 logits exist at a time, forward or backward (the chunk's matmul
-is recomputed in backward: about a third of the LM head's FLOPs extra).
+is recomputed in backward: about a third of the LM head's FLOPs extra). The chunk is sized by the
+vocabulary, so one chunk's fp32 logits stay within `CHUNK_LOGITS_BYTES` (512 positions for Qwen2's 152k
+tokens): a fixed 4096 equalled a whole seed micro-batch (1 × 4096) and saved nothing.
 
 The chunked path is a method attached to the model (`finetune_loss_sum`) and registered with FSDP2
 (`register_fsdp_forward_method`), so the root's parameters (embeddings, final norm, LM head) are
@@ -18,7 +20,8 @@ import types
 from typing import Any
 
 IGNORE = -100
-CHUNK_TOKENS = 4096
+CHUNK_LOGITS_BYTES = 512 << 20  # fp32 logits of one chunk: at most 0.5 GiB
+MAX_CHUNK_TOKENS = 4096
 METHOD = "finetune_loss_sum"
 _LOGIT_TWEAKS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
 
@@ -32,6 +35,13 @@ def shift_targets(labels: Any) -> Any:
     return out
 
 
+def chunk_tokens(vocab_size: int) -> int:
+    """Positions per loss chunk: the largest power of two whose `[chunk, vocab]` fp32 logits fit in
+    `CHUNK_LOGITS_BYTES` (at least 16, at most `MAX_CHUNK_TOKENS`)."""
+    fit = max(1, CHUNK_LOGITS_BYTES // (4 * max(1, vocab_size)))
+    return max(16, min(MAX_CHUNK_TOKENS, 1 << (fit.bit_length() - 1)))
+
+
 def _ce_chunk(hidden: Any, weight: Any, bias: Any, targets: Any) -> Any:
     import torch.nn.functional as F
 
@@ -40,10 +50,13 @@ def _ce_chunk(hidden: Any, weight: Any, bias: Any, targets: Any) -> Any:
 
 
 def chunked_cross_entropy_sum(hidden: Any, weight: Any, bias: Any, targets: Any,
-                              chunk: int = CHUNK_TOKENS) -> Any:
-    """Σ cross-entropy of `hidden [N, H] @ weight.T (+ bias)` against `targets [N]`, chunk by chunk."""
+                              chunk: int | None = None) -> Any:
+    """Σ cross-entropy of `hidden [N, H] @ weight.T (+ bias)` against `targets [N]`, chunk by chunk
+    (`chunk` positions; default `chunk_tokens` of the vocabulary, `weight`'s rows)."""
     import torch
     from torch.utils.checkpoint import checkpoint
+
+    chunk = chunk or chunk_tokens(int(weight.shape[0]))
 
     total = torch.zeros((), device=hidden.device, dtype=torch.float32)
     n = hidden.shape[0]
@@ -67,7 +80,7 @@ def supports_chunked(model: Any) -> bool:
 
 
 def _loss_sum_method(self: Any, input_ids: Any, targets: Any, attention_mask: Any = None,
-                     position_ids: Any = None, chunk: int = CHUNK_TOKENS) -> Any:
+                     position_ids: Any = None, chunk: int | None = None) -> Any:
     base = getattr(self, getattr(self, "base_model_prefix", "model"))
     out = base(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
     hidden = out[0] if isinstance(out, tuple) else out.last_hidden_state
@@ -93,7 +106,7 @@ def register_with_fsdp(model: Any) -> None:
 
 
 def loss_sum(model: Any, input_ids: Any, targets: Any, attention_mask: Any = None, position_ids: Any = None,
-             chunk: int = CHUNK_TOKENS) -> Any:
+             chunk: int | None = None) -> Any:
     """Summed token cross-entropy (fp32) of a batch against its shifted `targets`."""
     import torch.nn.functional as F
 

@@ -45,6 +45,8 @@ from typing import Any
 
 from finetune_operator.api.status import NetworkHealth
 
+from .errors import DeterministicError
+
 INFINIBAND_ROOT = "/sys/class/infiniband"
 DEV_INFINIBAND = "/dev/infiniband"
 # ports/1/hw_counters of the efa driver (amzn-drivers kernel/linux/efa, EFA_DEFINE_PORT_STATS): tx/rx
@@ -101,6 +103,10 @@ class NetworkProbeError(RuntimeError):
     def __init__(self, message: str, health: NetworkHealth | None = None) -> None:
         super().__init__(message)
         self.health = health
+
+
+class RequireEFAError(NetworkProbeError, DeterministicError):
+    """requireEFA and the network is not EFA: the same nodes and image give the same verdict on a restart."""
 
 
 def is_libfabric(name: str | None) -> bool:
@@ -365,7 +371,7 @@ def require_efa_failure(health: NetworkHealth, *, pinned_net: str | None) -> Net
     message = f"{who}: {health.message}"
     hint = ("Check the vpc.amazonaws.com/efa resource, FI_PROVIDER=efa, NCCL_NET_PLUGIN and the aws-ofi-nccl "
             "plugin in the image.")
-    return NetworkProbeError(f"network.{message} {hint}",
+    return RequireEFAError(f"network.{message} {hint}",
                              health.model_copy(update={"healthy": False, "message": message[:1000]}))
 
 

@@ -30,6 +30,8 @@ from typing import Any
 
 from finetune_operator.api.spec import FSDPSpec, ShardingStrategy
 
+from .errors import DeterministicError
+
 log = logging.getLogger("finetune.parallel")
 
 
@@ -38,9 +40,13 @@ def mesh_shape(strategy: ShardingStrategy, world: int, local_world: int) -> tupl
         return (world, 1), ("replicate", "shard")
     if strategy == ShardingStrategy.hybrid:
         if local_world <= 0 or world % local_world:
-            raise ValueError(uneven_message([local_world], world))
+            raise UnevenShardingError(uneven_message([local_world], world))
         return (world // local_world, local_world), ("replicate", "shard")
     return (world,), ("shard",)
+
+
+class UnevenShardingError(DeterministicError, ValueError):
+    """hybrid sharding over nodes with different numbers of ranks (every rank raises it at once)."""
 
 
 def uneven_message(local_worlds: list[int], world: int) -> str:
@@ -61,7 +67,7 @@ def check_same_local_world(strategy: ShardingStrategy, world: int, local_world: 
     seen: list[Any] = [None] * world
     dist.all_gather_object(seen, local_world)
     if len(set(seen)) > 1 or world % local_world:
-        raise ValueError(uneven_message([int(x) for x in seen], world))
+        raise UnevenShardingError(uneven_message([int(x) for x in seen], world))
 
 
 def build_mesh(strategy: ShardingStrategy, world: int, local_world: int, device_type: str) -> Any:

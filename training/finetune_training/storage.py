@@ -19,19 +19,22 @@ from __future__ import annotations
 
 import os
 import shutil
+import tempfile
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from finetune_operator.api.storage import is_remote, resolve_in_pod
 
+from .errors import DeterministicError
 
-class StorageError(RuntimeError):
+
+class StorageError(DeterministicError, RuntimeError):
     """A storage URI that cannot be used, for a reason retrying does not change (missing object, prefix or
     bucket, credentials, access, region). The message is one line: `<field>: <uri>: <cause>`.
 
-    Deterministic: a retry policy should fail the job on it rather than restart the workers (the fail-fast
-    mechanism of issue 26 item 5 keys on this type; until then Ray Train retries it like any error).
+    Deterministic: the run fails at once instead of restarting the workers (`failfast`).
     """
 
 
@@ -159,3 +162,49 @@ def upload_dir(local_dir: str | Path, uri: str) -> None:
     fs.create_dir(path, recursive=True)
     pafs.copy_files(str(Path(local_dir).absolute()), path, source_filesystem=pafs.LocalFileSystem(),
                     destination_filesystem=fs)
+
+
+def replace_dir(uri: str, write: Callable[[Path], object]) -> None:
+    """Put the directory tree `write(dir)` produces at `uri` (local path or s3://), replacing what was there
+    only once the new tree is complete.
+
+    Local: written to a temporary sibling, then the old tree is renamed aside, the new one renamed into
+    place and the old one removed (a failed write leaves the previous tree as it was). S3 has no rename:
+    the tree is written locally, uploaded over the previous one, and only then are the previous tree's
+    objects the new one does not have deleted (so no stale file of an older export survives).
+    """
+    uri = resolve_in_pod(uri)
+    if is_remote(uri):
+        with tempfile.TemporaryDirectory() as tmp:
+            write(Path(tmp))
+            upload_dir(tmp, uri)
+            remove_others(uri, {p.relative_to(tmp).as_posix() for p in Path(tmp).rglob("*") if p.is_file()})
+        return
+    final = Path(uri)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    token = uuid.uuid4().hex[:8]
+    new, old = final.parent / f".{final.name}.new-{token}", final.parent / f".{final.name}.old-{token}"
+    try:
+        write(new)
+    except BaseException:
+        shutil.rmtree(new, ignore_errors=True)
+        raise
+    if final.exists():
+        final.rename(old)
+    new.rename(final)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def remove_others(uri: str, keep: set[str]) -> list[str]:
+    """Delete the files under `uri` whose path relative to it is not in `keep`; returns those paths."""
+    import pyarrow.fs as pafs
+
+    fs, path = filesystem(uri)
+    base = path.rstrip("/")
+    removed = []
+    for info in fs.get_file_info(pafs.FileSelector(base, recursive=True, allow_not_found=True)):
+        rel = info.path[len(base) + 1 :]
+        if info.type == pafs.FileType.File and rel not in keep:
+            fs.delete_file(info.path)
+            removed.append(rel)
+    return removed
