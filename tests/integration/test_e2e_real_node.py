@@ -439,12 +439,15 @@ def test_a_rolling_update_of_the_operator_mid_training_keeps_the_job_reporting(r
     # Every step reached the status; the ones after step_old_gone only through the new pods.
     assert st["step"] == f"{total}/{total}", st.get("step")
     assert step_old_gone < total, f"the job had finished before the old operator pods were gone ({step_old_gone})"
-    # The new leader itself received the last report (its own per-job series, fed by /v1/progress).
+    # The new leader itself took reports (its /v1/progress counter) and knows the job finished. (A finished
+    # job's progress series are freed, issue 23: only its phase series stays, for the FinetuneJobFailed alert.)
     lease = leases.read_namespaced_lease("finetune-operator-leader", demo.OPERATOR_NAMESPACE)
     assert lease.spec.holder_identity in new, (lease.spec.holder_identity, new)
     ip = real.core.read_namespaced_pod(lease.spec.holder_identity, demo.OPERATOR_NAMESPACE).status.pod_ip
     with urllib.request.urlopen(f"http://{ip}:8080/metrics", timeout=10) as r:
         exposition = r.read().decode()
-    assert metric(exposition, "finetune_job_step", namespace=ns, name=name) == total
+    assert (metric(exposition, "finetune_progress_reports_total", code="202") or 0) > 0, exposition[:2000]
+    assert metric(exposition, "finetune_job_phase", namespace=ns, name=name, phase="Succeeded") == 1
+    assert metric(exposition, "finetune_job_step", namespace=ns, name=name) is None  # freed once finished
     print(f"after the rollout: step {step_old_gone} when the old pods were gone -> {total}/{total} through "
           f"{lease.spec.holder_identity}")
