@@ -32,6 +32,7 @@ LANES: dict[str, str] = {
     "tests/deploy/": "real-node",
     "tests/integration/test_lifecycle.py": "kwok-b",
     "tests/integration/test_lifecycle_faults.py": "kwok-a",
+    "tests/integration/test_operator_outages.py": "kwok-b",
     "tests/integration/test_argocd.py": "kwok-b",
     "tests/training/": "kwok-b",
     "tests/integration/": "kwok-a",
