@@ -423,7 +423,7 @@ class Reconciler:
         self._schedule_stall_check(namespace, name, new, now, policy.timeout_seconds if policy else None, observed)
         deadline_in = seconds_until_deadline(new, now, job.spec.active_deadline_seconds if job is not None else None)
         if deadline_in is not None:  # row 25: look again when the deadline passes (no event would come then)
-            self._look_again(namespace, name, deadline_in + 1.0)
+            self.requeue_after(namespace, name, deadline_in + 1.0)
         return phase
 
     def _stuck_pod_events(self, namespace: str, name: str, pods: list[Obj]) -> dict[str, tuple[str, str]]:
@@ -434,7 +434,7 @@ class Reconciler:
         stuck = stuck_creating(pods, self.clock())
         young = [CREATING_STUCK_SECONDS - age + 1.0 for age in stuck.values() if age < CREATING_STUCK_SECONDS]
         if young:
-            self._look_again(namespace, name, min(young))
+            self.requeue_after(namespace, name, min(young))
         for pod_name, age in sorted(stuck.items()):
             if age < CREATING_STUCK_SECONDS:
                 continue
@@ -465,12 +465,8 @@ class Reconciler:
             seen = self._kuberay_owed[(namespace, name)] = (mark, now)
         left, trouble = kuberay_overdue(rayjob, owed, seen[1], now, self.kuberay_timeout)
         if trouble is None:
-            self._look_again(namespace, name, left + 1.0)
+            self.requeue_after(namespace, name, left + 1.0)
         return trouble
-
-    def _look_again(self, namespace: str, name: str, delay: float) -> None:
-        """A reconcile of the job in `delay` seconds, unless one is already due by then (the queue's timer)."""
-        self.requeue_after(namespace, name, delay)
 
     def _schedule_stall_check(self, namespace: str, name: str, status: Obj, now: str, timeout: int | None,
                               observed: Observed) -> None:
