@@ -283,12 +283,10 @@ def _stall_since(training: Obj, running: Obj | None) -> str | None:
 
 def _latest(*stamps: str | None) -> str | None:
     """The latest of the timestamps given (None and unparsable ones aside); the first of equal ones."""
-    best: str | None = None
-    for ts in stamps:
-        t = parse_time(ts)
-        if t is not None and (best is None or t > parse_time(best)):  # type: ignore[operator]
-            best = ts
-    return best if best is not None else next((ts for ts in stamps if ts), None)
+    dated = [(t, ts) for ts in stamps if (t := parse_time(ts)) is not None]
+    if not dated:
+        return next((ts for ts in stamps if ts), None)
+    return max(dated, key=lambda d: d[0])[1]  # max keeps the first of equal ones
 
 
 def seconds_until_stall(status: Obj, now: str, timeout_seconds: int | None, watching_since: str | None = None,
